@@ -1,0 +1,165 @@
+"""The on-disk checkpoint format and loading a model from it.
+
+A checkpoint is a directory:
+
+    model.toml              the ModelConfig
+    params/                 orbax checkpoint of a flat dict {"layers.0.attn.q.kernel": array, ...}
+    tokenizer.json          HF `tokenizers` file (optional: a model without one takes token ids only)
+    tokenizer_config.json   bos/eos ids and the chat template
+
+Flat dotted keys keep the files readable and independent of how NNX nests modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from orca_jax.config import (
+    REPO_ROOT,
+    ConfigError,
+    ModelConfig,
+    load_toml,
+    model_config_to_toml,
+    model_preset_names,
+)
+from orca_jax.model.decoder import Decoder, abstract_decoder
+from orca_jax.tokenizer import Tokenizer
+
+# Presets whose weights `orca-jax pull` knows how to fetch.
+PULLABLE = ("smollm2-135m-instruct",)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing or does not match its config; the message says what to run."""
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: Decoder
+    tokenizer: Tokenizer | None
+    path: Path
+
+
+def checkpoint_root() -> Path:
+    """Where named checkpoints live: $ORCA_JAX_CHECKPOINTS, else the repository's checkpoints/."""
+    return Path(os.environ.get("ORCA_JAX_CHECKPOINTS", REPO_ROOT / "checkpoints")).resolve()
+
+
+def resolve_checkpoint_dir(name_or_path: str | os.PathLike) -> Path:
+    """A directory path is used as is; a bare name means checkpoint_root()/name."""
+    path = Path(name_or_path)
+    if path.is_dir() or os.sep in str(name_or_path) or path.is_absolute():
+        return path.resolve()
+    return checkpoint_root() / str(name_or_path)
+
+
+def missing_checkpoint_message(name_or_path: str | os.PathLike, path: Path) -> str:
+    name = str(name_or_path)
+    if name in PULLABLE:
+        fix = f"run `orca-jax pull {name}` to download and convert it"
+    elif name in model_preset_names():
+        fix = (f"preset {name!r} has no published weights here; import yours with "
+               f"`orca-jax convert <file.gguf | hf-folder> --name {name}`")
+    else:
+        fix = (f"pass a checkpoint directory, a pulled preset ({list(PULLABLE)}), or import weights with "
+               "`orca-jax convert <file.gguf | hf-folder> --name <name>`")
+    return f"no checkpoint for {name!r} at {path}: {fix}"
+
+
+def flatten_params(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten_params(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    config: ModelConfig,
+    params: dict[str, Any],
+    tokenizer: Tokenizer | None = None,
+) -> Path:
+    """Writes a checkpoint. `params` is a nested or flat dict of arrays matching `config`'s decoder."""
+    path = Path(path).resolve()
+    flat = flatten_params(params)
+    _check_against_config(flat, config, path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "model.toml").write_text(model_config_to_toml(config))
+    if (path / "params").exists():
+        shutil.rmtree(path / "params")
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path / "params", {k: np.asarray(v) for k, v in flat.items()})
+    if tokenizer is not None:
+        tokenizer.save(path)
+    return path
+
+
+def load_model(name_or_path: str | os.PathLike) -> LoadedModel:
+    """Loads config, weights and tokenizer of a checkpoint (by preset name or directory)."""
+    path = resolve_checkpoint_dir(name_or_path)
+    if not (path / "model.toml").is_file() or not (path / "params").is_dir():
+        raise CheckpointError(missing_checkpoint_message(name_or_path, path))
+    try:
+        config = load_toml(ModelConfig, path / "model.toml")
+    except ConfigError as e:
+        raise CheckpointError(f"checkpoint {path} has an invalid model.toml: {e}") from None
+    model = abstract_decoder(config)
+    graphdef, state = nnx.split(model)
+    template = flatten_params(state.to_pure_dict())
+    with ocp.StandardCheckpointer() as checkpointer:
+        stored = checkpointer.metadata(path / "params")
+        stored = getattr(stored, "item_metadata", stored)  # orbax versions differ in the wrapper
+        stored_shapes = {k: tuple(v.shape) for k, v in dict(stored).items()}
+        _check_shapes(stored_shapes, {k: tuple(v.shape) for k, v in template.items()}, path)
+        restored = checkpointer.restore(path / "params", template)
+    nested = _unflatten(state.to_pure_dict(), restored)
+    nnx.replace_by_pure_dict(state, jax.tree.map(jax.numpy.asarray, nested))
+    tokenizer = Tokenizer.load(path) if (path / "tokenizer.json").is_file() else None
+    return LoadedModel(config=config, model=nnx.merge(graphdef, state), tokenizer=tokenizer, path=path)
+
+
+def _unflatten(template: dict, flat: dict[str, Any], prefix: str = "") -> dict:
+    return {
+        key: _unflatten(value, flat, f"{prefix}{key}.") if isinstance(value, dict) else flat[f"{prefix}{key}"]
+        for key, value in template.items()
+    }
+
+
+def _check_against_config(flat: dict[str, Any], config: ModelConfig, where: Path) -> None:
+    expected = flatten_params(nnx.state(abstract_decoder(config)).to_pure_dict())
+    _check_shapes({k: tuple(np.shape(v)) for k, v in flat.items()}, {k: tuple(v.shape) for k, v in expected.items()}, where)
+
+
+def _check_shapes(got: dict[str, tuple], expected: dict[str, tuple], where: Path) -> None:
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
+    wrong = [f"{k}: {got[k]} != expected {expected[k]}" for k in sorted(set(got) & set(expected)) if got[k] != expected[k]]
+    if missing or extra or wrong:
+        details = "; ".join(
+            part for part in (
+                f"missing {missing[:5]}" if missing else "",
+                f"unexpected {extra[:5]}" if extra else "",
+                f"wrong shapes {wrong[:5]}" if wrong else "",
+            ) if part
+        )
+        raise CheckpointError(f"weights for {where} do not match its model config: {details}")
+
+
+def read_tokenizer_config(path: Path) -> dict:
+    file = path / "tokenizer_config.json"
+    return json.loads(file.read_text()) if file.is_file() else {}

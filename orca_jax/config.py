@@ -1,0 +1,260 @@
+"""Configuration: frozen dataclasses, filled from TOML files, validated on construction.
+
+Every field says its unit. Files only fill the dataclasses; a key the dataclass does not have is an
+error that names the key, the file and the keys that are allowed (a typo must never be ignored).
+This module does not import jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "configs"
+MODEL_PRESET_DIR = CONFIG_DIR / "models"
+
+Architecture = Literal["llama", "gpt2"]
+DType = Literal["float32", "bfloat16", "float16"]
+SchedulingPolicy = Literal["static", "orca", "paged", "chunked"]
+AttentionImpl = Literal["auto", "pallas", "xla"]
+
+
+class ConfigError(ValueError):
+    """A configuration value or file is wrong; the message says which and how to fix it."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _check_literal(obj: Any, name: str, allowed: tuple[str, ...]) -> None:
+    value = getattr(obj, name)
+    _require(value in allowed, f"{type(obj).__name__}.{name}={value!r}; choose one of {list(allowed)}")
+
+
+def _check_positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _require(
+            isinstance(value, int) and not isinstance(value, bool) and value > 0,
+            f"{type(obj).__name__}.{name} must be a positive integer, got {value!r}",
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a decoder-only transformer. `architecture` picks the family:
+
+    - "llama": RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, no biases.
+    - "gpt2": learned absolute positions, LayerNorm, GELU MLP, biases, multi-head attention
+      (GPT-2 and GPT-3 share this shape).
+    """
+
+    name: str
+    architecture: Architecture
+    vocab_size: int  # tokens
+    d_model: int  # width of the residual stream
+    n_layers: int
+    n_heads: int  # query heads
+    n_kv_heads: int  # key/value heads; n_heads % n_kv_heads == 0 (GQA); equal for gpt2
+    d_ff: int  # hidden width of the MLP
+    max_position: int  # context length in tokens (prompt + generated)
+    head_dim: int = 0  # 0 means d_model // n_heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0  # RoPE base frequency (llama only)
+    tie_word_embeddings: bool = True  # LM head shares the token embedding matrix
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    dtype: DType = "float32"  # parameters and activations; use float32 on CPU
+
+    def __post_init__(self) -> None:
+        _check_literal(self, "architecture", typing.get_args(Architecture))
+        _check_literal(self, "dtype", typing.get_args(DType))
+        _check_positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_position")
+        if self.head_dim == 0:
+            _require(
+                self.d_model % self.n_heads == 0,
+                f"ModelConfig {self.name!r}: d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                "set head_dim explicitly",
+            )
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        _check_positive(self, "head_dim")
+        _require(
+            self.n_heads % self.n_kv_heads == 0,
+            f"ModelConfig {self.name!r}: n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}",
+        )
+        _require(
+            self.architecture != "gpt2" or self.n_kv_heads == self.n_heads,
+            f"ModelConfig {self.name!r}: gpt2 uses multi-head attention; set n_kv_heads = n_heads = {self.n_heads}",
+        )
+        _require(
+            self.architecture != "llama" or self.head_dim % 2 == 0,
+            f"ModelConfig {self.name!r}: RoPE needs an even head_dim, got {self.head_dim}",
+        )
+        _require(self.norm_eps > 0, f"ModelConfig {self.name!r}: norm_eps must be > 0, got {self.norm_eps}")
+        for token_name in ("bos_token_id", "eos_token_id"):
+            token = getattr(self, token_name)
+            _require(
+                token is None or 0 <= token < self.vocab_size,
+                f"ModelConfig {self.name!r}: {token_name}={token} is outside the vocabulary [0, {self.vocab_size})",
+            )
+
+    @property
+    def queries_per_kv_head(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def num_params(self) -> int:
+        """Parameter count, computed from the shapes (no arrays needed)."""
+        d, f, dh = self.d_model, self.d_ff, self.head_dim
+        attn = d * dh * (self.n_heads * 2 + self.n_kv_heads * 2)
+        if self.architecture == "llama":
+            layer = attn + 3 * d * f + 2 * d
+            extra = d
+        else:
+            layer = attn + dh * (self.n_heads + 2 * self.n_kv_heads) + d + 2 * d * f + f + d + 4 * d
+            extra = 2 * d + self.max_position * d
+        head = 0 if self.tie_word_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.n_layers * layer + extra + head
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16  # tokens per KV page
+    kv_cache_memory: int = 1 << 30  # bytes of device memory for the KV cache
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "page_size", "kv_cache_memory")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: SchedulingPolicy = "chunked"
+    max_num_seqs: int = 32  # requests running at once
+    max_num_batched_tokens: int = 512  # tokens in one forward pass (prefill + decode)
+
+    def __post_init__(self) -> None:
+        _check_literal(self, "policy", typing.get_args(SchedulingPolicy))
+        _check_positive(self, "max_num_seqs", "max_num_batched_tokens")
+        _require(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            f"SchedulerConfig: max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+            f"max_num_seqs={self.max_num_seqs} so every running request can decode each iteration",
+        )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1  # devices a layer's weights are split over
+    pipeline_parallel_size: int = 1  # stages the layers are split into
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "tensor_parallel_size", "pipeline_parallel_size")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"  # preset name or checkpoint directory
+    attention_impl: AttentionImpl = "auto"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        _check_literal(self, "attention_impl", typing.get_args(AttentionImpl))
+
+
+def from_dict(cls: type, data: dict[str, Any], source: str) -> Any:
+    """Builds dataclass `cls` from `data`, recursing into nested dataclass fields.
+
+    Raises ConfigError naming `source` for unknown keys, missing required keys and wrong types.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a table for {cls.__name__}, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key(s) {unknown} for {cls.__name__}; allowed keys are {sorted(fields)}"
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = from_dict(hint, value, f"{source} [{name}]")
+        else:
+            kwargs[name] = _check_type(value, hint, f"{source}: {cls.__name__}.{name}")
+    missing = [
+        f.name
+        for f in fields.values()
+        if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{source}: missing required key(s) {missing} for {cls.__name__}")
+    return cls(**kwargs)
+
+
+def _check_type(value: Any, hint: Any, where: str) -> Any:
+    """Checks a TOML scalar against a field's type; ints are accepted where floats are expected."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return value  # the dataclass validates the choice with a better message
+    allowed = typing.get_args(hint) if origin in (typing.Union, types.UnionType) else (hint,)
+    for kind in allowed:
+        if kind is type(None) and value is None:
+            return value
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if kind in (int, str, bool) and type(value) is kind:
+            return value
+    names = [getattr(k, "__name__", str(k)) for k in allowed]
+    raise ConfigError(f"{where} = {value!r} has type {type(value).__name__}; expected {' or '.join(names)}")
+
+
+def load_toml(cls: type, path: str | Path) -> Any:
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    return from_dict(cls, data, str(path))
+
+
+def model_preset_names() -> list[str]:
+    return sorted(p.stem for p in MODEL_PRESET_DIR.glob("*.toml"))
+
+
+def load_model_preset(name: str) -> ModelConfig:
+    """Loads `configs/models/<name>.toml`."""
+    path = MODEL_PRESET_DIR / f"{name}.toml"
+    if not path.is_file():
+        raise ConfigError(f"unknown model preset {name!r}; available presets: {model_preset_names()}")
+    return load_toml(ModelConfig, path)
+
+
+def model_config_to_toml(config: ModelConfig) -> str:
+    """Serialises a ModelConfig as TOML (flat scalars only, so a hand-written writer suffices)."""
+    lines = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if value is None:
+            continue  # TOML has no null; a missing optional key reads back as None
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, str):
+            text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        else:
+            text = repr(value)
+        lines.append(f"{f.name} = {text}")
+    return "\n".join(lines) + "\n"

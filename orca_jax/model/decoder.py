@@ -1,0 +1,92 @@
+"""The decoder: token ids on a ragged axis in, logits out. One class, variant chosen by ModelConfig."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from orca_jax.config import ModelConfig
+from orca_jax.model.attention import Attention, AttentionMetadata
+from orca_jax.model.layers import Embed, GeluMLP, LayerNorm, RMSNorm, SwiGLU
+
+# Every logical axis name a parameter may carry; the parallelism rules table maps each to a mesh
+# axis (or to None, replicated).
+LOGICAL_AXES = ("vocab", "embed", "positions", "q_heads", "kv_heads", "head_dim", "mlp", "norm")
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        llama = config.architecture == "llama"
+        norm = RMSNorm if llama else LayerNorm
+        self.attn_norm = norm(config.d_model, config.norm_eps, dtype)
+        self.attn = Attention(
+            config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
+            use_bias=not llama, rope_theta=config.rope_theta if llama else None, dtype=dtype, rngs=rngs,
+        )
+        self.mlp_norm = norm(config.d_model, config.norm_eps, dtype)
+        mlp = SwiGLU if llama else GeluMLP
+        self.mlp = mlp(config.d_model, config.d_ff, dtype, rngs)
+
+    def __call__(self, x: Float[Array, "T D"], meta: AttentionMetadata) -> Float[Array, "T D"]:
+        x = x + self.attn(self.attn_norm(x), meta)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nnx.Module):
+    """Pre-norm decoder-only transformer.
+
+    Inputs live on one ragged token axis: all tokens of all sequences in a call, concatenated. Only
+    attention looks across tokens, and only within a segment.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dtype = jnp.dtype(config.dtype)
+        self.embed = Embed(config.vocab_size, config.d_model, ("vocab", "embed"), dtype, rngs)
+        self.pos_embed = (
+            Embed(config.max_position, config.d_model, ("positions", "embed"), dtype, rngs)
+            if config.architecture == "gpt2"
+            else None
+        )
+        self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.n_layers)])
+        norm = RMSNorm if config.architecture == "llama" else LayerNorm
+        self.final_norm = norm(config.d_model, config.norm_eps, dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Embed(config.vocab_size, config.d_model, ("vocab", "embed"), dtype, rngs)
+        )
+
+    def __call__(
+        self,
+        token_ids: Int[Array, " T"],
+        positions: Int[Array, " T"],
+        segment_ids: Int[Array, " T"],
+        logits_index: Int[Array, " S"] | None = None,
+    ) -> Float[Array, "T V"] | Float[Array, "S V"]:
+        """Returns float32 logits at every token, or only at the tokens named by `logits_index`
+        (the last token of each sequence when generating, which skips most of the LM head)."""
+        meta = AttentionMetadata(positions=positions, segment_ids=segment_ids)
+        x = self.embed(token_ids)  # [T, D]
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+        for layer in self.layers:
+            x = layer(x, meta)
+        if logits_index is not None:
+            x = x[logits_index]  # [S, D]
+        x = self.final_norm(x)
+        head = self.embed if self.lm_head is None else self.lm_head
+        return head.attend(x).astype(jnp.float32)
+
+
+def init_decoder(config: ModelConfig, seed: int = 0) -> Decoder:
+    """A randomly initialised decoder (tests, benchmarks of shapes without weights)."""
+    return Decoder(config, rngs=nnx.Rngs(params=jax.random.key(seed)))
+
+
+def abstract_decoder(config: ModelConfig) -> Decoder:
+    """The decoder's structure with ShapeDtypeStructs instead of arrays: allocates nothing, so a
+    checkpoint can be restored straight into it and a 175B config can be planned on a laptop."""
+    return nnx.eval_shape(lambda: init_decoder(config))

@@ -1,0 +1,140 @@
+"""Tokenizer: an HF `tokenizers` object plus the metadata generation needs (bos/eos, chat template).
+
+Saved beside a checkpoint as `tokenizer.json` and `tokenizer_config.json`. Chat templates are Jinja
+(as in HF and GGUF files) and are rendered with jinja2 the way transformers does, without
+transformers. This module does not import jax.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+# Used when a checkpoint has no template of its own: plain ChatML, no default system prompt.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+CONFIG_FILE = "tokenizer_config.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        hf: HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        add_bos_token: bool = False,
+        chat_template: str | None = None,
+    ):
+        self.hf = hf
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text (e.g. `<|im_start|>`) are parsed as
+        such, as chat templates need."""
+        ids = self.hf.encode(text, add_special_tokens=False).ids
+        if (self.add_bos_token if add_bos is None else add_bos) and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str | None:
+        return self.hf.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """Renders `messages` ([{"role": ..., "content": ...}]) into prompt text."""
+        if not messages:
+            raise ValueError("messages is empty; pass at least one {'role': ..., 'content': ...} message")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                    or not isinstance(message.get("content"), str):
+                raise ValueError(f"messages[{i}] must be a dict with string 'role' and 'content', got {message!r}")
+        template = _compile_template(self.chat_template or CHATML_TEMPLATE)
+        return template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._token_or_empty(self.bos_token_id),
+            eos_token=self._token_or_empty(self.eos_token_id),
+        )
+
+    def _token_or_empty(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self.hf.id_to_token(token_id) or "")
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        self.hf.save(str(directory / TOKENIZER_FILE))
+        config = {
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "add_bos_token": self.add_bos_token,
+            "chat_template": self.chat_template,
+        }
+        (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "Tokenizer":
+        directory = Path(directory)
+        config_file = directory / CONFIG_FILE
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        return cls(
+            HFTokenizer.from_file(str(directory / TOKENIZER_FILE)),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_id=config.get("eos_token_id"),
+            add_bos_token=bool(config.get("add_bos_token", False)),
+            chat_template=config.get("chat_template"),
+        )
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    # The same environment settings transformers uses for chat templates.
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"chat template: {message}")
+
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
+def byte_level_bpe(
+    tokens: Sequence[str],
+    merges: Sequence[str],
+    special_token_ids: Sequence[int],
+    split_digits: bool,
+) -> HFTokenizer:
+    """A GPT-2 style byte-level BPE tokenizer from a vocabulary and "a b" merge lines.
+
+    `split_digits` puts every digit in its own pre-token first (SmolLM2's pre-tokenizer).
+    """
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if split_digits
+        else byte_level
+    )
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special_token_ids])
+    return hf
