@@ -1,0 +1,158 @@
+"""Import a Hugging Face model folder (config.json + *.safetensors [+ tokenizer.json]).
+
+Llama-family (`model_type` llama, or any config with the same tensors) and GPT-2 layouts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+from tokenizers import Tokenizer as HFTokenizer
+
+from orca_jax.checkpoint.layout import to_decoder_params
+from orca_jax.config import ModelConfig
+from orca_jax.tokenizer import Tokenizer
+
+
+class HFImportError(ValueError):
+    pass
+
+
+# HF tensor name pattern -> GGUF name, per architecture. "{i}" is the layer index.
+LLAMA_NAMES = {
+    r"model\.embed_tokens\.weight": "token_embd.weight",
+    r"model\.layers\.(\d+)\.input_layernorm\.weight": "blk.{i}.attn_norm.weight",
+    r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight": "blk.{i}.attn_q.weight",
+    r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight": "blk.{i}.attn_k.weight",
+    r"model\.layers\.(\d+)\.self_attn\.v_proj\.weight": "blk.{i}.attn_v.weight",
+    r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight": "blk.{i}.attn_output.weight",
+    r"model\.layers\.(\d+)\.post_attention_layernorm\.weight": "blk.{i}.ffn_norm.weight",
+    r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight": "blk.{i}.ffn_gate.weight",
+    r"model\.layers\.(\d+)\.mlp\.up_proj\.weight": "blk.{i}.ffn_up.weight",
+    r"model\.layers\.(\d+)\.mlp\.down_proj\.weight": "blk.{i}.ffn_down.weight",
+    r"model\.norm\.weight": "output_norm.weight",
+    r"lm_head\.weight": "output.weight",
+}
+# GPT-2 checkpoints come with or without the "transformer." prefix. Its Conv1D weights are stored
+# [in, out]; `GPT2_TRANSPOSED` lists those to flip into the common [out, in] layout.
+GPT2_NAMES = {
+    r"(?:transformer\.)?wte\.weight": "token_embd.weight",
+    r"(?:transformer\.)?wpe\.weight": "position_embd.weight",
+    r"(?:transformer\.)?h\.(\d+)\.ln_1\.(weight|bias)": "blk.{i}.attn_norm.{p}",
+    r"(?:transformer\.)?h\.(\d+)\.attn\.c_attn\.(weight|bias)": "blk.{i}.attn_qkv.{p}",
+    r"(?:transformer\.)?h\.(\d+)\.attn\.c_proj\.(weight|bias)": "blk.{i}.attn_output.{p}",
+    r"(?:transformer\.)?h\.(\d+)\.ln_2\.(weight|bias)": "blk.{i}.ffn_norm.{p}",
+    r"(?:transformer\.)?h\.(\d+)\.mlp\.c_fc\.(weight|bias)": "blk.{i}.ffn_up.{p}",
+    r"(?:transformer\.)?h\.(\d+)\.mlp\.c_proj\.(weight|bias)": "blk.{i}.ffn_down.{p}",
+    r"(?:transformer\.)?ln_f\.(weight|bias)": "output_norm.{p}",
+    r"lm_head\.weight": "output.weight",
+}
+GPT2_TRANSPOSED = re.compile(r"blk\.\d+\.(attn_qkv|attn_output|ffn_up|ffn_down)\.weight")
+# Buffers some exporters save that are not parameters.
+IGNORED = re.compile(r".*(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
+
+
+def read_hf_folder(folder: str | Path, name: str) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer | None]:
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise HFImportError(f"{folder} has no config.json; expected a Hugging Face model folder")
+    hf_config = json.loads(config_file.read_text())
+    model_type = hf_config.get("model_type")
+    if model_type == "gpt2":
+        config, names = _gpt2_config(hf_config, name), GPT2_NAMES
+    elif model_type == "llama":
+        config, names = _llama_config(hf_config, name), LLAMA_NAMES
+    else:
+        raise HFImportError(f"{config_file}: model_type {model_type!r} is not supported; supported: llama, gpt2")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise HFImportError(f"{folder} has no *.safetensors files (PyTorch .bin files are not supported)")
+    tensors = {}
+    for file in files:
+        with safe_open(file, framework="flax") as f:
+            for hf_name in f.keys():
+                if IGNORED.match(hf_name):
+                    continue
+                gguf_name = _rename(hf_name, names, file)
+                array = np.asarray(f.get_tensor(hf_name), dtype=np.float32)
+                tensors[gguf_name] = array.T if GPT2_TRANSPOSED.fullmatch(gguf_name) and model_type == "gpt2" else array
+    return config, to_decoder_params(config, tensors), _tokenizer(folder, config)
+
+
+def _rename(hf_name: str, names: dict[str, str], file: Path) -> str:
+    for pattern, target in names.items():
+        match = re.fullmatch(pattern, hf_name)
+        if match:
+            groups = match.groups()
+            return target.format(i=groups[0] if groups and "{i}" in target else None, p=groups[-1] if groups else None)
+    raise HFImportError(f"{file}: tensor {hf_name!r} is not part of the supported layout")
+
+
+def _llama_config(c: dict, name: str) -> ModelConfig:
+    if c.get("rope_scaling"):
+        raise HFImportError(f"rope_scaling={c['rope_scaling']} is not supported yet; only plain RoPE is")
+    return ModelConfig(
+        name=name,
+        architecture="llama",
+        vocab_size=c["vocab_size"],
+        d_model=c["hidden_size"],
+        n_layers=c["num_hidden_layers"],
+        n_heads=c["num_attention_heads"],
+        n_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+        d_ff=c["intermediate_size"],
+        max_position=c["max_position_embeddings"],
+        head_dim=c.get("head_dim") or 0,
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(c.get("rope_theta", 10000.0)),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        bos_token_id=_single_id(c.get("bos_token_id")),
+        eos_token_id=_single_id(c.get("eos_token_id")),
+    )
+
+
+def _gpt2_config(c: dict, name: str) -> ModelConfig:
+    if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise HFImportError(f"activation_function={c['activation_function']!r} is not supported; GPT-2 uses gelu_new")
+    return ModelConfig(
+        name=name,
+        architecture="gpt2",
+        vocab_size=c["vocab_size"],
+        d_model=c["n_embd"],
+        n_layers=c["n_layer"],
+        n_heads=c["n_head"],
+        n_kv_heads=c["n_head"],
+        d_ff=c.get("n_inner") or 4 * c["n_embd"],
+        max_position=c["n_positions"],
+        norm_eps=float(c.get("layer_norm_epsilon", 1e-5)),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", True)),
+        bos_token_id=_single_id(c.get("bos_token_id")),
+        eos_token_id=_single_id(c.get("eos_token_id")),
+    )
+
+
+def _single_id(value) -> int | None:
+    """HF allows a list of eos ids; the first is the one the model emits."""
+    return value[0] if isinstance(value, list) else value
+
+
+def _tokenizer(folder: Path, config: ModelConfig) -> Tokenizer | None:
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    settings_file = folder / "tokenizer_config.json"
+    settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
+    template = settings.get("chat_template")
+    template_file = folder / "chat_template.jinja"
+    if template is None and template_file.is_file():
+        template = template_file.read_text()
+    return Tokenizer(
+        HFTokenizer.from_file(str(folder / "tokenizer.json")),
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        add_bos_token=bool(settings.get("add_bos_token", False)),
+        chat_template=template if isinstance(template, str) else None,
+    )
