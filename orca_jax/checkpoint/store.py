@@ -120,14 +120,14 @@ def load_model(name_or_path: str | os.PathLike) -> LoadedModel:
         raise CheckpointError(f"checkpoint {path} has an invalid model.toml: {e}") from None
     model = abstract_decoder(config)
     graphdef, state = nnx.split(model)
-    template = flatten_params(state.to_pure_dict())
+    template = flatten_params(nnx.to_pure_dict(state))
     with ocp.StandardCheckpointer() as checkpointer:
         stored = checkpointer.metadata(path / "params")
         stored = getattr(stored, "item_metadata", stored)  # orbax versions differ in the wrapper
         stored_shapes = {k: tuple(v.shape) for k, v in dict(stored).items()}
         _check_shapes(stored_shapes, {k: tuple(v.shape) for k, v in template.items()}, path)
         restored = checkpointer.restore(path / "params", template)
-    nested = _unflatten(state.to_pure_dict(), restored)
+    nested = _unflatten(nnx.to_pure_dict(state), restored)
     nnx.replace_by_pure_dict(state, jax.tree.map(jax.numpy.asarray, nested))
     tokenizer = Tokenizer.load(path) if (path / "tokenizer.json").is_file() else None
     return LoadedModel(config=config, model=nnx.merge(graphdef, state), tokenizer=tokenizer, path=path)
@@ -141,7 +141,7 @@ def _unflatten(template: dict, flat: dict[str, Any], prefix: str = "") -> dict:
 
 
 def _check_against_config(flat: dict[str, Any], config: ModelConfig, where: Path) -> None:
-    expected = flatten_params(nnx.state(abstract_decoder(config)).to_pure_dict())
+    expected = flatten_params(nnx.to_pure_dict(nnx.state(abstract_decoder(config))))
     _check_shapes({k: tuple(np.shape(v)) for k, v in flat.items()}, {k: tuple(v.shape) for k, v in expected.items()}, where)
 
 

@@ -110,7 +110,7 @@ def main() -> None:
     model, losses = train(args.steps)
     print(f"trained {args.steps} steps in {time.perf_counter() - start:.1f} s; "
           f"loss {losses[0]:.3f} -> {np.mean(losses[-20:]):.4f}")
-    params = jax.tree.map(np.asarray, nnx.state(model, nnx.Param).to_pure_dict())
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     save_checkpoint(args.out, load_model_preset("tiny"), params, tiny_tokenizer())
     print(f"saved to {args.out}")
 

@@ -14,7 +14,7 @@ def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
     """A parameter annotated with logical axis names. Placement happens later, from a rules table,
     so creation never needs a mesh (`eager_sharding=False`)."""
     assert value.ndim == len(axes), (value.shape, axes)
-    return nnx.Param(value, sharding_names=axes, eager_sharding=False)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
 class Dense(nnx.Module):

@@ -1,0 +1,173 @@
+"""Importers: a model exported to GGUF / HF layouts and imported back gives the same logits.
+
+The exports below are written independently of the importers (from the published layouts: llama.cpp
+permutes Q/K rows, HF GPT-2 stores Conv1D weights [in, out] and fuses QKV), so a wrong mapping in an
+importer shows up as different logits.
+"""
+
+import dataclasses
+import json
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+from tokenizers import pre_tokenizers
+
+from orca_jax.checkpoint.convert import convert
+from orca_jax.checkpoint.store import load_model
+from orca_jax.config import load_model_preset
+from orca_jax.model.decoder import init_decoder
+
+from .test_store import params_of
+from ..model.test_rotary import permute_like_llama_cpp
+
+SPECIALS = ["<|start|>", "<|end|>"]
+BYTES = sorted(pre_tokenizers.ByteLevel.alphabet())
+MERGED = ["Ġt", "he", "Ġthe"]
+TOKENS = SPECIALS + BYTES + MERGED
+MERGES = ["Ġ t", "h e", "Ġt he"]
+
+
+def logits(model, ids):
+    ids = jnp.asarray(ids)
+    return np.asarray(model(ids, jnp.arange(len(ids)), jnp.zeros(len(ids), jnp.int32)))
+
+
+def llama_tensors(config, p, permute_qk):
+    d = config.d_model
+    out = {"token_embd.weight": p["embed.embedding"], "output_norm.weight": p["final_norm.scale"]}
+    for i in range(config.n_layers):
+        l = f"layers.{i}"
+        q = p[f"{l}.attn.q.kernel"].reshape(d, -1).T
+        k = p[f"{l}.attn.k.kernel"].reshape(d, -1).T
+        if permute_qk:
+            q, k = permute_like_llama_cpp(q, config.n_heads), permute_like_llama_cpp(k, config.n_kv_heads)
+        out |= {
+            f"blk.{i}.attn_norm.weight": p[f"{l}.attn_norm.scale"],
+            f"blk.{i}.attn_q.weight": q,
+            f"blk.{i}.attn_k.weight": k,
+            f"blk.{i}.attn_v.weight": p[f"{l}.attn.v.kernel"].reshape(d, -1).T,
+            f"blk.{i}.attn_output.weight": p[f"{l}.attn.o.kernel"].reshape(-1, d).T,
+            f"blk.{i}.ffn_norm.weight": p[f"{l}.mlp_norm.scale"],
+            f"blk.{i}.ffn_gate.weight": p[f"{l}.mlp.gate.kernel"].T,
+            f"blk.{i}.ffn_up.weight": p[f"{l}.mlp.up.kernel"].T,
+            f"blk.{i}.ffn_down.weight": p[f"{l}.mlp.down.kernel"].T,
+        }
+    return out
+
+
+def test_gguf_llama_import(tmp_path):
+    config = dataclasses.replace(load_model_preset("tiny"), vocab_size=len(TOKENS), bos_token_id=0, eos_token_id=1)
+    model = init_decoder(config, seed=4)
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(config.n_layers)
+    writer.add_context_length(config.max_position)
+    writer.add_embedding_length(config.d_model)
+    writer.add_feed_forward_length(config.d_ff)
+    writer.add_head_count(config.n_heads)
+    writer.add_head_count_kv(config.n_kv_heads)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_layer_norm_rms_eps(config.norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([gguf.TokenType.CONTROL] * 2 + [gguf.TokenType.NORMAL] * (len(TOKENS) - 2))
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_chat_template("{% for m in messages %}<|start|>{{ m['content'] }}<|end|>{% endfor %}")
+    for name, array in llama_tensors(config, params_of(model), permute_qk=True).items():
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    loaded = load_model(convert(path, "imported", tmp_path / "out"))
+    assert loaded.config == dataclasses.replace(config, name="imported", norm_eps=float(np.float32(config.norm_eps)))
+    ids = [5, 80, 259, 3, 261, 100]
+    np.testing.assert_allclose(logits(loaded.model, ids), logits(model, ids), atol=1e-5)
+
+    tok = loaded.tokenizer
+    assert tok.encode("a the 42") == [TOKENS.index(t) for t in ("a", "Ġthe", "Ġ", "4", "2")]
+    assert tok.decode(tok.encode("a the 42")) == "a the 42"
+    assert tok.encode("<|start|> the<|end|>") == [0, TOKENS.index("Ġthe"), 1]
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|start|>hi<|end|>"
+
+
+def write_hf_folder(folder, config_json, tensors):
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config_json))
+    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}, folder / "model.safetensors")
+
+
+def test_hf_llama_import(tmp_path):
+    config = load_model_preset("tiny")
+    model = init_decoder(config, seed=5)
+    gguf_to_hf = {
+        "token_embd": "model.embed_tokens", "output_norm": "model.norm", "attn_norm": "input_layernorm",
+        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    }
+    tensors = {}
+    for name, array in llama_tensors(config, params_of(model), permute_qk=False).items():
+        parts = name.split(".")
+        if parts[0] == "blk":
+            tensors[f"model.layers.{parts[1]}.{gguf_to_hf[parts[2]]}.weight"] = array
+        else:
+            tensors[f"{gguf_to_hf[parts[0]]}.weight"] = array
+    write_hf_folder(tmp_path / "hf", {
+        "model_type": "llama", "vocab_size": config.vocab_size, "hidden_size": config.d_model,
+        "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads, "intermediate_size": config.d_ff,
+        "max_position_embeddings": config.max_position, "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta, "tie_word_embeddings": True,
+        "bos_token_id": config.bos_token_id, "eos_token_id": [config.eos_token_id],
+    }, tensors)
+    loaded = load_model(convert(tmp_path / "hf", "hf-llama", tmp_path / "out"))
+    assert loaded.config == dataclasses.replace(config, name="hf-llama")
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    np.testing.assert_allclose(logits(loaded.model, ids), logits(model, ids), atol=1e-5)
+
+
+def test_hf_gpt2_import(tmp_path):
+    config = load_model_preset("tiny-gpt")
+    model = init_decoder(config, seed=6)
+    p, d = params_of(model), config.d_model
+    tensors = {"wte.weight": p["embed.embedding"], "wpe.weight": p["pos_embed.embedding"],
+               "ln_f.weight": p["final_norm.scale"], "ln_f.bias": p["final_norm.bias"]}
+    for i in range(config.n_layers):
+        l, h = f"layers.{i}", f"h.{i}"
+        tensors |= {
+            f"{h}.ln_1.weight": p[f"{l}.attn_norm.scale"], f"{h}.ln_1.bias": p[f"{l}.attn_norm.bias"],
+            f"{h}.ln_2.weight": p[f"{l}.mlp_norm.scale"], f"{h}.ln_2.bias": p[f"{l}.mlp_norm.bias"],
+            # Conv1D: [in, out], Q, K and V fused along out.
+            f"{h}.attn.c_attn.weight": np.concatenate([p[f"{l}.attn.{x}.kernel"].reshape(d, -1) for x in "qkv"], 1),
+            f"{h}.attn.c_attn.bias": np.concatenate([p[f"{l}.attn.{x}.bias"].reshape(-1) for x in "qkv"]),
+            f"{h}.attn.c_proj.weight": p[f"{l}.attn.o.kernel"].reshape(-1, d),
+            f"{h}.attn.c_proj.bias": p[f"{l}.attn.o.bias"],
+            f"{h}.mlp.c_fc.weight": p[f"{l}.mlp.up.kernel"], f"{h}.mlp.c_fc.bias": p[f"{l}.mlp.up.bias"],
+            f"{h}.mlp.c_proj.weight": p[f"{l}.mlp.down.kernel"], f"{h}.mlp.c_proj.bias": p[f"{l}.mlp.down.bias"],
+            f"{h}.attn.bias": np.tril(np.ones((1, 1, 8, 8))),  # a causal-mask buffer old exports carry
+        }
+    write_hf_folder(tmp_path / "hf", {
+        "model_type": "gpt2", "vocab_size": config.vocab_size, "n_embd": d, "n_layer": config.n_layers,
+        "n_head": config.n_heads, "n_inner": config.d_ff, "n_positions": config.max_position,
+        "layer_norm_epsilon": config.norm_eps, "activation_function": "gelu_new",
+    }, tensors)
+    loaded = load_model(convert(tmp_path / "hf", "hf-gpt2", tmp_path / "out"))
+    assert loaded.config == dataclasses.replace(config, name="hf-gpt2")
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    np.testing.assert_allclose(logits(loaded.model, ids), logits(model, ids), atol=1e-5)
+
+
+def test_unsupported_sources_are_named(tmp_path):
+    write_hf_folder(tmp_path / "hf", {"model_type": "mamba"}, {"x": np.zeros(2)})
+    with pytest.raises(ValueError, match="model_type 'mamba' is not supported"):
+        convert(tmp_path / "hf", "m", tmp_path / "out")
+    with pytest.raises(Exception, match="neither a .gguf file nor"):
+        convert(tmp_path / "missing.bin", "m", tmp_path / "out")

@@ -1,0 +1,43 @@
+"""Shared fixtures: models are loaded once per session, compilations go to a persistent cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import pytest
+
+from orca_jax.config import REPO_ROOT
+
+FIXTURES = REPO_ROOT.parent / "shared" / "fixtures"
+SMOLLM2 = "smollm2-135m-instruct"
+
+jax.config.update("jax_compilation_cache_dir", str(REPO_ROOT / ".jax_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference() -> dict:
+    path = FIXTURES / "smollm2_reference.json"
+    if not path.is_file():
+        # Also committed beside the tests, so a clone without ../shared still runs.
+        path = Path(__file__).parent / "fixtures" / "smollm2_reference.json"
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default model, pulled on first use (the README's test command pulls it first)."""
+    from orca_jax.checkpoint.convert import pull
+    from orca_jax.checkpoint.store import load_model
+
+    pull(SMOLLM2, log=lambda message: None)
+    return load_model(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def tiny_trained():
+    from orca_jax.checkpoint.store import load_model
+
+    return load_model(REPO_ROOT / "checkpoints" / "tiny")

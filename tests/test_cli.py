@@ -1,0 +1,28 @@
+"""The `orca-jax` command as a user runs it (a real subprocess)."""
+
+import subprocess
+import sys
+
+from orca_jax.config import REPO_ROOT
+
+
+def orca_jax(*args, stdin=None):
+    return subprocess.run(
+        [sys.executable, "-m", "orca_jax.cli", *args], capture_output=True, text=True, input=stdin, timeout=300
+    )
+
+
+def test_generate_with_the_tiny_model_from_args_and_stdin():
+    tiny = str(REPO_ROOT / "checkpoints" / "tiny")
+    result = orca_jax("generate", "--model", tiny, "--max-tokens", "4", "3 5")
+    assert result.returncode == 0, result.stderr
+    assert ">>> 3 5\n7 9 11 13\n" in result.stdout
+    result = orca_jax("generate", "--model", tiny, "--max-tokens", "30", stdin="60 61\n\n50 53\n")
+    assert result.returncode == 0, result.stderr
+    assert ">>> 60 61\n62 63\n>>> 50 53\n56 59 62\n" in result.stdout  # stops at </s>
+
+
+def test_missing_model_explains_the_fix(tmp_path):
+    result = orca_jax("generate", "--model", str(tmp_path / "nothing"), "hi")
+    assert result.returncode != 0
+    assert "no checkpoint" in result.stderr and "orca-jax convert" in result.stderr

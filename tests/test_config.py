@@ -1,0 +1,100 @@
+import dataclasses
+
+import pytest
+
+from orca_jax.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    load_model_preset,
+    load_toml,
+    model_config_to_toml,
+    model_preset_names,
+)
+
+REQUIRED_PRESETS = {"tiny", "gpt2-124m", "gpt3-13b", "gpt3-175b", "smollm2-135m-instruct"}
+
+
+def test_presets_load_with_the_published_sizes():
+    assert REQUIRED_PRESETS <= set(model_preset_names())
+    # Parameter counts the model cards give.
+    assert round(load_model_preset("gpt2-124m").num_params() / 1e6) == 124
+    assert round(load_model_preset("smollm2-135m-instruct").num_params() / 1e6) == 135
+    assert round(load_model_preset("gpt3-175b").num_params() / 1e9) == 175
+    assert round(load_model_preset("gpt3-13b").num_params() / 1e9) == 13
+
+
+def test_unknown_key_names_key_file_and_allowed_keys(tmp_path):
+    path = tmp_path / "m.toml"
+    text = model_config_to_toml(load_model_preset("tiny")) + "n_layer = 3\n"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_toml(ModelConfig, path)
+    message = str(err.value)
+    assert "n_layer" in message and str(path) in message and "n_layers" in message
+
+
+def test_unknown_key_in_nested_engine_table(tmp_path):
+    path = tmp_path / "engine.toml"
+    path.write_text("[cache]\npage_size = 8\npagesize = 16\n")
+    with pytest.raises(ConfigError, match=r"\[cache\].*pagesize"):
+        load_toml(EngineConfig, path)
+
+
+def test_engine_toml_fills_nested_dataclasses(tmp_path):
+    path = tmp_path / "engine.toml"
+    path.write_text('attention_impl = "xla"\n[scheduler]\npolicy = "orca"\nmax_num_seqs = 4\n')
+    config = load_toml(EngineConfig, path)
+    assert config.attention_impl == "xla"
+    assert config.scheduler == SchedulerConfig(policy="orca", max_num_seqs=4)
+    assert config.cache == CacheConfig()
+
+
+def test_wrong_type_and_missing_key(tmp_path):
+    path = tmp_path / "m.toml"
+    path.write_text(model_config_to_toml(load_model_preset("tiny")).replace("d_model = 64", 'd_model = "64"'))
+    with pytest.raises(ConfigError, match="d_model.*str.*int"):
+        load_toml(ModelConfig, path)
+    path.write_text("\n".join(l for l in model_config_to_toml(load_model_preset("tiny")).splitlines()
+                              if not l.startswith("vocab_size")))
+    with pytest.raises(ConfigError, match="missing.*vocab_size"):
+        load_toml(ModelConfig, path)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(n_kv_heads=3), "multiple of n_kv_heads"),
+        (dict(architecture="gpt2"), "gpt2 uses multi-head"),
+        (dict(architecture="mamba"), "choose one of"),
+        (dict(d_model=0), "positive integer"),
+        (dict(eos_token_id=1000), "outside the vocabulary"),
+        (dict(dtype="float8"), "choose one of"),
+    ],
+)
+def test_invalid_model_values(change, message):
+    with pytest.raises(ConfigError, match=message):
+        dataclasses.replace(load_model_preset("tiny"), **change)
+
+
+def test_invalid_engine_values():
+    with pytest.raises(ConfigError, match="choose one of"):
+        SchedulerConfig(policy="fifo")
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=32)
+    with pytest.raises(ConfigError, match="page_size"):
+        CacheConfig(page_size=0)
+
+
+def test_unknown_preset_lists_the_available_ones():
+    with pytest.raises(ConfigError, match="smollm2-135m-instruct"):
+        load_model_preset("llama-7b")
+
+
+def test_toml_round_trip():
+    config = load_model_preset("smollm2-135m-instruct")
+    import tomllib
+
+    assert ModelConfig(**tomllib.loads(model_config_to_toml(config))) == config

@@ -1,0 +1,26 @@
+"""The host-side modules must not import jax (DESIGN.md): they run in threads and tools that
+should never touch the device."""
+
+import subprocess
+import sys
+
+import pytest
+
+NO_JAX_MODULES = ["orca_jax.config", "orca_jax.tokenizer", "orca_jax.cli"]
+
+BLOCK_JAX = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "jax" or name.startswith(("jax.", "jaxlib", "flax")):
+            raise ImportError(f"{name} must not be imported here")
+sys.meta_path.insert(0, Block())
+import importlib
+importlib.import_module(sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("module", NO_JAX_MODULES)
+def test_module_imports_without_jax(module):
+    result = subprocess.run([sys.executable, "-c", BLOCK_JAX, module], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
