@@ -1,0 +1,1 @@
+"""The iteration-level engine: requests, KV pages, scheduler, runner, step loop."""

@@ -1,0 +1,70 @@
+"""Per-request state, owned by the scheduler. No jax."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from orca_jax.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens reached
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class RequestTimes:
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the sampling seed actually used (params.seed, or one the engine drew)
+    eos_token_id: int | None
+    times: RequestTimes
+    output_token_ids: list[int] = field(default_factory=list)
+    # Top logprobs per generated token, as (ids, logprobs, sampled logprob); filled only if asked.
+    logprobs: list[tuple[list[int], list[float], float]] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)  # KV page ids, in order
+    num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None  # the stop token or stop string that ended it
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt plus every token it may generate: what Orca's reservation covers."""
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens that exist but have no K/V yet: 1 when decoding; more for a prompt (or, after a
+        preemption, prompt + outputs) still to be prefilled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished

@@ -1,0 +1,215 @@
+"""Iteration-level scheduling policies. Pure Python, no jax: `schedule()` returns a plan as data.
+
+One call plans one forward pass: which requests take part and how many of their tokens are computed
+(1 for a decode, a whole prompt or a chunk of it for a prefill), under `max_num_seqs` requests and
+`max_num_batched_tokens` tokens. After the runner has executed the plan, `update_after_step()`
+advances the requests; the engine then decides which have finished and calls `finish()`.
+
+The policies (DESIGN.md):
+
+- static: request-level batching (the FasterTransformer baseline of the Orca paper). A batch is
+  admitted only into an empty engine; it keeps its shape until every member is done (finished
+  members stay as padding rows) and its results are released together.
+- orca: admission every iteration, FCFS, while the reservation of prompt + max_tokens pages fits.
+  Never preempts.
+- paged (vLLM): admission while the prompt's pages fit; pages grow on demand; when they run out,
+  the running request with the fewest computed tokens is preempted (its pages freed, recomputed
+  later) and goes back to the head of the queue.
+- chunked (Sarathi-Serve): like paged, but decodes are scheduled first and prompts are split into
+  chunks that fill the rest of the token budget.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from orca_jax.config import SchedulerConfig
+from orca_jax.engine.kv_manager import KVCacheManager
+from orca_jax.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    start: int  # request.num_computed_tokens when scheduled
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the request's last known token, so a new one is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_padding_seqs: int = 0  # static policy: finished members that still occupy batch rows
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.scheduled) + self.num_padding_seqs
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order; static: the batch, finished members included
+        self.num_preemptions = 0
+
+    # ---- queue ---------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or any(not r.finished for r in self.running)
+
+    @property
+    def num_running(self) -> int:
+        return sum(not r.finished for r in self.running)
+
+    def finish(self, request: Request, status: RequestStatus) -> list[Request]:
+        """Marks a request finished and returns the requests whose results can be released now:
+        itself, except under `static`, where a batch is released only when all its members are done."""
+        assert status.finished
+        request.status = status
+        request.times.finished = time.monotonic()
+        if request in self.waiting:
+            self.waiting.remove(request)
+            return [request]
+        if self.config.policy == "static":
+            if any(not r.finished for r in self.running):
+                return []
+            released, self.running = self.running, []
+            for r in released:
+                self.kv.free(r)
+            return released
+        self.running.remove(request)
+        self.kv.free(request)
+        return [request]
+
+    # ---- planning ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        if self.config.policy == "static":
+            return self._schedule_static()
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.policy == "chunked"
+        # Running requests: decodes first (chunked), then unfinished prefills; admission order.
+        running = sorted(self.running, key=lambda r: r.num_uncomputed_tokens > 1) if chunked else list(self.running)
+        for request in running:
+            if request.status != RequestStatus.RUNNING or budget == 0:
+                continue
+            num_new = min(request.num_uncomputed_tokens, budget) if chunked else request.num_uncomputed_tokens
+            if num_new > budget:
+                continue
+            if not self._allocate_or_preempt(request, num_new, out):
+                continue  # the request itself was preempted
+            budget -= num_new
+            self._plan(out, request, num_new)
+        if not out.preempted:  # admitting right after a preemption would only thrash
+            self._admit(out, budget)
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        target = request.num_computed_tokens + num_new
+        while not self.kv.allocate(request, target):
+            if self.config.policy == "orca":
+                raise AssertionError("orca reserved every page at admission; allocation cannot fail")
+            victim = min(self.running, key=lambda r: (r.num_computed_tokens, -r.times.arrival))
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        for i, planned in enumerate(out.scheduled):
+            if planned.request is victim:  # already planned this step: take it back
+                del out.scheduled[i]
+                break
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(victim)
+        # Back to the head of the queue, in arrival order among the preempted.
+        head = [r for r in self.waiting if r.num_preemptions > 0 and r.times.arrival < victim.times.arrival]
+        self.waiting.insert(len(head), victim)
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        policy = self.config.policy
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.kv.match_prefix(request)
+            request.num_computed_tokens = cached
+            need = request.num_uncomputed_tokens
+            num_new = min(need, budget) if policy == "chunked" else need
+            reserve = request.max_total_tokens if policy == "orca" else cached + num_new
+            if num_new > budget or not self.kv.allocate(request, reserve):
+                self.kv.free(request)  # give back prefix-cache pages taken above
+                request.num_computed_tokens = 0
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.num_cached_prompt_tokens = max(request.num_cached_prompt_tokens, min(cached, len(request.prompt_token_ids)))
+            self._start_running(request)
+            budget -= num_new
+            self._plan(out, request, num_new)
+
+    def _schedule_static(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if not self.running:  # admit a new batch only into an empty engine
+            budget = self.config.max_num_batched_tokens
+            while self.waiting and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting[0]
+                need = request.num_uncomputed_tokens
+                if need > budget or not self.kv.allocate(request, request.max_total_tokens):
+                    break
+                self.waiting.popleft()
+                self._start_running(request)
+                budget -= need
+        for request in self.running:
+            if request.finished:
+                out.num_padding_seqs += 1
+            else:
+                self._plan(out, request, request.num_uncomputed_tokens)
+        return out
+
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        if request.times.first_scheduled is None:
+            request.times.first_scheduled = time.monotonic()
+        self.running.append(request)
+
+    def _plan(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+
+    # ---- after the step ------------------------------------------------------------------
+    def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advances computed-token counts and appends sampled tokens (`sampled` maps request id ->
+        token for the requests whose `samples` is true). Returns the requests that got a token."""
+        advanced = []
+        for planned in out.scheduled:
+            request = planned.request
+            request.num_computed_tokens = planned.start + planned.num_new_tokens
+            # Only now is their K/V written, so only now may other requests share these pages.
+            self.kv.cache_full_pages(request, request.num_computed_tokens)
+            if planned.samples:
+                request.output_token_ids.append(sampled[request.request_id])
+                if request.times.first_token is None:
+                    request.times.first_token = time.monotonic()
+                advanced.append(request)
+        return advanced
