@@ -23,12 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("--name", required=True, help="checkpoint name (directory under checkpoints/)")
     convert.add_argument("--out", type=Path, default=None, help="write here instead of checkpoints/<name>")
 
-    generate = commands.add_parser("generate", help="generate text for prompts (args, --file, or stdin)")
+    generate = commands.add_parser("generate", help="generate text for a batch of prompts (args, --file, or stdin)")
     generate.add_argument("prompts", nargs="*", help="prompt texts; one per line on stdin when omitted")
-    generate.add_argument("--model", default=DEFAULT_MODEL, help="preset name or checkpoint directory")
     generate.add_argument("--file", type=Path, help="read prompts from this file, one per line")
-    generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
+    add_engine_args(generate)
+    add_sampling_args(generate)
 
     args = parser.parse_args(argv)
     if args.command == "pull":
@@ -41,7 +41,13 @@ def main(argv: list[str] | None = None) -> int:
         dest = convert_model(args.source, args.name, args.out)
         print(f"converted {args.source} -> {dest}")
     elif args.command == "generate":
-        return _generate(args)
+        from orca_jax.checkpoint.store import CheckpointError
+
+        try:
+            return _generate(args)
+        except (CheckpointError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 
@@ -52,45 +58,64 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from orca_jax.checkpoint.convert import PULL_SOURCES, pull
-    from orca_jax.checkpoint.store import load_model, resolve_checkpoint_dir
-    from orca_jax.model.recompute import RecomputeGenerator
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=DEFAULT_MODEL, help="preset name or checkpoint directory")
+    group.add_argument("--policy", default="chunked", choices=["static", "orca", "paged", "chunked"],
+                       help="scheduling policy")
+    group.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
+    group.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per forward pass")
+    group.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    group.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache")
+    group.add_argument("--enable-prefix-caching", action="store_true")
+    group.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas"])
 
-    if args.max_tokens < 1:
-        print("error: --max-tokens must be >= 1", file=sys.stderr)
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=64)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--seed", type=int, default=None)
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        scheduling_policy=args.policy, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
+        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
+        attention_impl=args.attention_impl,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from orca_jax import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     prompts = _read_prompts(args)
     if not prompts:
         print("error: no prompts given (pass them as arguments, with --file, or on stdin)", file=sys.stderr)
         return 2
-    if args.model in PULL_SOURCES and not (resolve_checkpoint_dir(args.model) / "model.toml").is_file():
-        print(f"{args.model} is not pulled yet; pulling it now", file=sys.stderr)
-        pull(args.model, log=lambda m: print(m, file=sys.stderr))
-    loaded = load_model(args.model)
-    if loaded.tokenizer is None:
-        print(f"error: checkpoint {loaded.path} has no tokenizer.json; text prompts need one", file=sys.stderr)
-        return 2
-    tokenizer = loaded.tokenizer
-    generator = RecomputeGenerator(loaded.model)
-    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    total_tokens, start = 0, time.perf_counter()
-    for prompt in prompts:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
-        ids = tokenizer.encode(text)
-        print(f">>> {prompt}")
-        generated: list[int] = []
-        shown = ""
-        for token in generator.greedy(ids, args.max_tokens, stop):
-            generated.append(token)
-            full = tokenizer.decode(generated, skip_special_tokens=True)
-            print(full[len(shown):], end="", flush=True)  # print only the new text
-            shown = full
-        print()
-        total_tokens += len(generated)
+    llm = LLM(args.model, **engine_kwargs(args))
+    start = time.perf_counter()
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    print(f"[{total_tokens} tokens in {elapsed:.1f} s, {total_tokens / elapsed:.2f} tok/s, greedy, full recompute]",
-          file=sys.stderr)
+    for prompt, output in zip(prompts, outputs):
+        print(f">>> {prompt}\n{output.outputs[0].text.strip()}")
+    total = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"[{len(outputs)} requests, {total} tokens in {elapsed:.1f} s: {total / elapsed:.1f} tok/s; "
+          f"policy {args.policy}, compilations after warm-up: {llm.num_compilations_after_warmup}]", file=sys.stderr)
     return 0
 
 

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # the runner always computes this many top logprobs; a request may ask for fewer
+MAX_STOP_IDS = 16  # EOS + stop_token_ids that can be suppressed on device while min_tokens is not reached
 
 
 @dataclass

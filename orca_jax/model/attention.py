@@ -1,9 +1,9 @@
 """Self-attention over the ragged token axis.
 
 Every token of every request sits on one axis `T`; `segment_ids[T]` says which request a token
-belongs to and `positions[T]` where it sits in that request. `attend` is the single call site where
-the engine's paged KV cache and the Pallas kernel (`pallas_kernels.ragged_paged_attention`) plug in;
-today it is a full-sequence, segment-masked attention over the tokens of this call.
+belongs to and `positions[T]` where it sits in that request. Two paths: `attend`, a dense
+segment-masked attention among the tokens of one call (no cache), and, with the engine's paged KV
+cache, `write_kv` + `ragged_paged_attention`, the single call site of the kernel contract.
 """
 
 from __future__ import annotations
@@ -17,19 +17,33 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from orca_jax.model.layers import Dense
+from orca_jax.model.paged_attention import MASK_VALUE, ragged_paged_attention, write_kv
 from orca_jax.model.rotary import apply_rope
 
-# Finite, so a row with every key masked gives zeros instead of NaN (exp(-inf - -inf) = NaN).
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+KVCache = tuple[jax.Array, jax.Array]  # one layer's (k_pages, v_pages), each [P, page, K, Dh]
+
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
-    """Per-call attention inputs: an explicit pytree argument, never module state."""
+    """Per-call attention inputs: an explicit pytree argument, never module state.
+
+    Without the paged-cache fields, tokens attend only among the tokens of this call (full-sequence
+    forward passes: tests, training, the recompute generator). With them (the engine), new K/V are
+    written to the cache and attention reads the whole cached context.
+    """
 
     positions: Int[Array, " T"]  # position of each token inside its own sequence
-    segment_ids: Int[Array, " T"]  # sequence each token belongs to; padding gets an id of its own
+    segment_ids: Int[Array, " T"]  # sequence each token belongs to; padding: out of range [0, S)
+    slot_mapping: Int[Array, " T"] | None = None  # cache slot each new K/V is written to
+    block_tables: Int[Array, "S max_pages"] | None = None  # KV pages of each sequence
+    kv_lens: Int[Array, " S"] | None = None  # cached tokens per sequence after this call's writes
+    attention_impl: str = dataclasses.field(default="xla", metadata=dict(static=True))
+
+    @property
+    def paged(self) -> bool:
+        return self.slot_mapping is not None
 
 
 def attend(
@@ -77,9 +91,18 @@ class Attention(nnx.Module):
         self.rope_theta = rope_theta  # None: positions come from a learned embedding instead
         self.sm_scale = 1.0 / math.sqrt(head_dim)
 
-    def __call__(self, x: Float[Array, "T D"], meta: AttentionMetadata) -> Float[Array, "T D"]:
+    def __call__(
+        self, x: Float[Array, "T D"], meta: AttentionMetadata, kv: KVCache | None = None
+    ) -> tuple[Float[Array, "T D"], KVCache | None]:
         q, k, v = self.q(x), self.k(x), self.v(x)  # [T, H, Dh], [T, K, Dh], [T, K, Dh]
         if self.rope_theta is not None:
             q = apply_rope(q, meta.positions, self.rope_theta)
             k = apply_rope(k, meta.positions, self.rope_theta)
-        return self.o(attend(q, k, v, meta, self.sm_scale))
+        if kv is None:
+            return self.o(attend(q, k, v, meta, self.sm_scale)), None
+        k_pages, v_pages = write_kv(*kv, k, v, meta.slot_mapping)
+        out = ragged_paged_attention(
+            q, k_pages, v_pages, meta.segment_ids, meta.positions, meta.block_tables, meta.kv_lens,
+            sm_scale=self.sm_scale, impl=meta.attention_impl,
+        )
+        return self.o(out), (k_pages, v_pages)

@@ -8,7 +8,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from orca_jax.config import ModelConfig
-from orca_jax.model.attention import Attention, AttentionMetadata
+from orca_jax.model.attention import Attention, AttentionMetadata, KVCache
 from orca_jax.model.layers import Embed, GeluMLP, LayerNorm, RMSNorm, SwiGLU
 
 # Every logical axis name a parameter may carry; the parallelism rules table maps each to a mesh
@@ -29,9 +29,12 @@ class DecoderLayer(nnx.Module):
         mlp = SwiGLU if llama else GeluMLP
         self.mlp = mlp(config.d_model, config.d_ff, dtype, rngs)
 
-    def __call__(self, x: Float[Array, "T D"], meta: AttentionMetadata) -> Float[Array, "T D"]:
-        x = x + self.attn(self.attn_norm(x), meta)
-        return x + self.mlp(self.mlp_norm(x))
+    def __call__(
+        self, x: Float[Array, "T D"], meta: AttentionMetadata, kv: KVCache | None = None
+    ) -> tuple[Float[Array, "T D"], KVCache | None]:
+        attn_out, kv = self.attn(self.attn_norm(x), meta, kv)
+        x = x + attn_out
+        return x + self.mlp(self.mlp_norm(x)), kv
 
 
 class Decoder(nnx.Module):
@@ -69,16 +72,30 @@ class Decoder(nnx.Module):
         """Returns float32 logits at every token, or only at the tokens named by `logits_index`
         (the last token of each sequence when generating, which skips most of the LM head)."""
         meta = AttentionMetadata(positions=positions, segment_ids=segment_ids)
+        logits, _ = self.forward(token_ids, meta, None, logits_index)
+        return logits
+
+    def forward(
+        self,
+        token_ids: Int[Array, " T"],
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache] | None,
+        logits_index: Int[Array, " S"] | None = None,
+    ) -> tuple[Float[Array, "T V"] | Float[Array, "S V"], list[KVCache] | None]:
+        """The engine's entry point: with `kv_caches` (one (k_pages, v_pages) per layer) the new
+        tokens' K/V are written and attention reads the cache; returns the updated caches."""
         x = self.embed(token_ids)  # [T, D]
         if self.pos_embed is not None:
-            x = x + self.pos_embed(positions)
-        for layer in self.layers:
-            x = layer(x, meta)
+            x = x + self.pos_embed(meta.positions)
+        new_caches = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, meta, None if kv_caches is None else kv_caches[i])
+            new_caches.append(kv)
         if logits_index is not None:
             x = x[logits_index]  # [S, D]
         x = self.final_norm(x)
         head = self.embed if self.lm_head is None else self.lm_head
-        return head.attend(x).astype(jnp.float32)
+        return head.attend(x).astype(jnp.float32), (None if kv_caches is None else new_caches)
 
 
 def init_decoder(config: ModelConfig, seed: int = 0) -> Decoder:

@@ -1,0 +1,241 @@
+"""LLMEngine: add_request / abort / step. One step = schedule -> run -> postprocess -> outputs.
+
+Pure Python: the runner is the only part that touches jax.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import dataclass
+
+from orca_jax.config import EngineConfig, ModelConfig
+from orca_jax.engine.detokenizer import IncrementalDetokenizer
+from orca_jax.engine.kv_manager import KVCacheManager
+from orca_jax.engine.request import Request, RequestStatus, RequestTimes
+from orca_jax.engine.scheduler import Scheduler, SchedulerOutput
+from orca_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from orca_jax.sampling_params import MAX_STOP_IDS, SamplingParams
+from orca_jax.tokenizer import Tokenizer
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served under the current limits; the message names the limit."""
+
+
+@dataclass
+class _Sample:
+    """Host-side state of one of a request's n samples."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float = 0.0
+    released: bool = False
+
+
+@dataclass
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.released for s in self.samples)
+
+
+def bytes_per_kv_page(model: ModelConfig, page_size: int) -> int:
+    itemsize = 2 if model.dtype in ("bfloat16", "float16") else 4
+    return model.n_layers * 2 * page_size * model.n_kv_heads * model.head_dim * itemsize
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, runner, tokenizer: Tokenizer | None,
+                 max_model_len: int | None = None):
+        """`runner` executes SchedulerOutputs (the ModelRunner, or a mock in scheduler tests)."""
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len or model_config.max_position
+        self.runner = runner
+        num_pages = runner.num_pages
+        self.kv = KVCacheManager(num_pages, config.cache.page_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.groups: dict[str, _Group] = {}
+        self._samples: dict[str, tuple[_Group, _Sample]] = {}  # child request id -> its group and state
+        self._released_by_abort: dict[str, _Group] = {}  # static batches completed by an abort
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    prompt: str | None = None, arrival_time: float | None = None) -> str:
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._validate(prompt_token_ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        samples = []
+        for i in range(params.n):
+            seed = params.seed + i if params.seed is not None else random.getrandbits(63)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            request = Request(child_id, list(prompt_token_ids), params, seed, self.model_config.eos_token_id,
+                              RequestTimes(arrival=arrival))
+            detokenizer = None
+            if self.tokenizer is not None:
+                detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                     params.skip_special_tokens, params.stop,
+                                                     params.include_stop_str_in_output)
+            samples.append(_Sample(request, detokenizer, [] if params.logprobs is not None else None))
+            self.scheduler.add(request)
+        group = _Group(request_id, prompt, list(prompt_token_ids), samples)
+        self.groups[request_id] = group
+        for sample in samples:
+            self._samples[sample.request.request_id] = (group, sample)
+        return request_id
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise RequestRejected("the prompt is empty; give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestRejected(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                f"context length of {self.max_model_len} tokens; shorten the prompt or lower max_tokens")
+        capacity = self.kv.num_pages * self.kv.page_size
+        if total > capacity:
+            raise RequestRejected(
+                f"prompt + max_tokens = {total} tokens exceeds the whole KV cache ({capacity} tokens); "
+                "raise kv_cache_memory or lower max_tokens")
+        policy, budget = self.config.scheduler.policy, self.config.scheduler.max_num_batched_tokens
+        # Policies without chunking compute a whole prompt in one step; `paged` may have to recompute
+        # prompt + outputs in one step after a preemption.
+        must_fit = {"static": len(prompt_ids), "orca": len(prompt_ids), "paged": total}.get(policy)
+        if must_fit is not None and must_fit > budget:
+            raise RequestRejected(
+                f"{'prompt + max_tokens' if policy == 'paged' else 'the prompt'} ({must_fit} tokens) exceeds "
+                f"max_num_batched_tokens={budget}, the most the '{policy}' policy computes in one step; "
+                "raise max_num_batched_tokens or use the 'chunked' policy")
+        if params.min_tokens > 0 and len(params.stop_token_ids) + 1 > MAX_STOP_IDS:
+            raise RequestRejected(f"with min_tokens, at most {MAX_STOP_IDS - 1} stop_token_ids are supported")
+        for token in params.stop_token_ids:
+            if token >= vocab:
+                raise RequestRejected(f"stop token id {token} is outside the vocabulary [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise RequestRejected("stop strings need a tokenizer; this checkpoint has none")
+
+    def abort(self, request_id: str) -> bool:
+        """Stops a request now and frees its pages; returns False if it is unknown or done."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return False
+        for sample in group.samples:
+            if not sample.request.finished:
+                self._release(self.scheduler.finish(sample.request, RequestStatus.FINISHED_ABORTED),
+                              self._released_by_abort)
+            sample.released = True
+        self._released_by_abort.pop(request_id, None)
+        self._forget(group)
+        return True
+
+    def _release(self, requests: list[Request], touched: dict[str, _Group]) -> None:
+        for request in requests:
+            if request.request_id not in self._samples:
+                continue  # aborted earlier; its static batch is only now released
+            group, sample = self._samples[request.request_id]
+            sample.released = True
+            touched[group.request_id] = group
+
+    def _forget(self, group: _Group) -> None:
+        del self.groups[group.request_id]
+        for sample in group.samples:
+            del self._samples[sample.request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration. Returns an output for every request that got new tokens or finished."""
+        touched, self._released_by_abort = self._released_by_abort, {}
+        plan: SchedulerOutput = self.scheduler.schedule()
+        advanced, sampled = [], {}
+        if not plan.empty:
+            sampled = self.runner.execute(plan)
+            self.num_steps += 1
+            advanced = self.scheduler.update_after_step(plan, {rid: s.token for rid, s in sampled.items()})
+            self.num_generated_tokens += len(advanced)
+        for request in advanced:
+            group, sample = self._samples[request.request_id]
+            self._record(sample, sampled[request.request_id])
+            status = self._stop_status(sample)
+            if status is not None:
+                self._release(self.scheduler.finish(request, status), touched)
+            if self.config.scheduler.policy != "static":  # static releases whole batches only
+                touched[group.request_id] = group
+        outputs = [self._output(g) for g in touched.values()]
+        for group in touched.values():
+            if group.finished:
+                self._forget(group)
+        return outputs
+
+    def _record(self, sample: _Sample, sampled) -> None:
+        request = sample.request
+        sample.cumulative_logprob += sampled.logprob
+        if sample.logprobs is not None:
+            ids, values = sampled.top
+            entry = {i: Logprob(v, rank + 1, self._token_text(i)) for rank, (i, v) in enumerate(zip(ids, values))}
+            if sampled.token not in entry:
+                entry[sampled.token] = Logprob(sampled.logprob, None, self._token_text(sampled.token))
+            sample.logprobs.append(entry)
+        if sample.detokenizer is not None:
+            sample.detokenizer.add(request.output_token_ids[-1])
+
+    def _token_text(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token])
+
+    def _stop_status(self, sample: _Sample) -> RequestStatus | None:
+        request, params = sample.request, sample.request.params
+        token = request.output_token_ids[-1]
+        num_out = len(request.output_token_ids)
+        if num_out >= params.min_tokens:
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if sample.detokenizer is not None and sample.detokenizer.stopped_by is not None:
+                request.stop_reason = sample.detokenizer.stopped_by
+                return RequestStatus.FINISHED_STOPPED
+        if num_out >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _output(self, group: _Group) -> RequestOutput:
+        completions, metrics = [], []
+        for i, sample in enumerate(group.samples):
+            r = sample.request
+            completions.append(CompletionOutput(
+                index=i,
+                text=sample.detokenizer.text if sample.detokenizer is not None else "",
+                token_ids=list(r.output_token_ids),
+                cumulative_logprob=sample.cumulative_logprob,
+                logprobs=None if sample.logprobs is None else list(sample.logprobs),
+                finish_reason=r.status.value if r.finished else None,
+                stop_reason=r.stop_reason,
+            ))
+            metrics.append(RequestMetrics(
+                arrival_time=r.times.arrival, first_scheduled_time=r.times.first_scheduled,
+                first_token_time=r.times.first_token, finished_time=r.times.finished,
+                num_preemptions=r.num_preemptions, num_cached_prompt_tokens=r.num_cached_prompt_tokens,
+            ))
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
+                             group.finished, metrics[0], metrics)

@@ -1,0 +1,172 @@
+"""The offline API, shaped like vLLM's so users can switch:
+
+    from orca_jax import LLM, SamplingParams
+    llm = LLM(model="smollm2-135m-instruct", scheduling_policy="chunked")
+    outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8, max_tokens=32))
+    print(outputs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Sequence, Union
+
+from orca_jax.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from orca_jax.engine.engine import LLMEngine, bytes_per_kv_page
+from orca_jax.outputs import RequestOutput
+from orca_jax.sampling_params import SamplingParams
+
+PromptType = Union[str, dict]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path = "smollm2-135m-instruct",
+        *,
+        scheduling_policy: str = "chunked",
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 512,
+        page_size: int = 16,
+        kv_cache_memory: int = 1 << 30,
+        enable_prefix_caching: bool = False,
+        attention_impl: str = "auto",
+        max_model_len: int | None = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        token_buckets: Sequence[int] | None = None,
+        seq_buckets: Sequence[int] | None = None,
+        show_progress: bool = True,
+    ):
+        """`model`: a preset name (pulled on first use if it has published weights) or a checkpoint
+        directory. `kv_cache_memory`: bytes of KV cache. `token_buckets` / `seq_buckets` override the
+        compiled step shapes (default: powers of two up to the limits)."""
+        from orca_jax.checkpoint.convert import PULL_SOURCES, pull
+        from orca_jax.checkpoint.store import load_model, resolve_checkpoint_dir
+        from orca_jax.engine.runner import Buckets, ModelRunner
+
+        self.config = EngineConfig(
+            model=str(model),
+            attention_impl=attention_impl,
+            cache=CacheConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(policy=scheduling_policy, max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                    pipeline_parallel_size=pipeline_parallel_size),
+        )
+        if str(model) in PULL_SOURCES and not (resolve_checkpoint_dir(model) / "model.toml").is_file():
+            print(f"{model} is not pulled yet; pulling it now", file=sys.stderr)
+            pull(str(model), log=lambda m: print(m, file=sys.stderr))
+        loaded = load_model(model)
+        model_config = loaded.config
+        max_model_len = max_model_len or model_config.max_position
+        if max_model_len > model_config.max_position:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length "
+                             f"{model_config.max_position}")
+        page_bytes = bytes_per_kv_page(model_config, page_size)
+        num_pages = kv_cache_memory // page_bytes
+        if num_pages < 2:
+            raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds {num_pages} pages of {page_bytes} bytes; "
+                             f"give at least {2 * page_bytes} bytes")
+        buckets = Buckets.for_limits(max_num_batched_tokens, max_num_seqs)
+        if token_buckets or seq_buckets:
+            buckets = Buckets(tokens=tuple(sorted(token_buckets or buckets.tokens)),
+                              seqs=tuple(sorted(seq_buckets or buckets.seqs)))
+            _check_buckets(buckets, max_num_batched_tokens, max_num_seqs)
+        impl = resolve_attention_impl(attention_impl)
+        runner = ModelRunner(loaded.model, num_pages=num_pages, page_size=page_size, max_model_len=max_model_len,
+                             buckets=buckets, attention_impl=impl, parallel=self.config.parallel)
+        self.show_progress = show_progress
+        if show_progress:
+            print(f"orca_jax: {model_config.name}, policy {scheduling_policy}, {num_pages} KV pages x {page_size} "
+                  f"tokens ({num_pages * page_bytes / 2**20:.0f} MiB), attention {impl}", file=sys.stderr)
+        runner.warm_up(show_progress=show_progress)
+        self.runner = runner
+        self.tokenizer = loaded.tokenizer
+        self.engine = LLMEngine(self.config, model_config, runner, loaded.tokenizer, max_model_len)
+
+    @property
+    def num_compilations_after_warmup(self) -> int:
+        return self.runner.num_compilations_after_warmup
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt (a string or {"prompt_token_ids": [...]}) and returns the
+        outputs in input order. All requests are queued at once; the engine batches them."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params; pass one, or one per prompt")
+        ids = []
+        for prompt, p in zip(prompts, params):
+            text, token_ids = self._tokenize(prompt)
+            ids.append(self.engine.add_request(token_ids, p, prompt=text))
+        return self._run_to_completion(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation ([{"role", "content"}, ...]) or a list of them, through the chat template."""
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        texts = [self.tokenizer.apply_chat_template(c) for c in conversations]
+        return self.generate(texts, sampling_params, use_tqdm)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError(f"a dict prompt needs 'prompt_token_ids', got keys {sorted(prompt)}")
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if not isinstance(prompt, str):
+            raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer; pass {'prompt_token_ids': [...]} prompts")
+        return prompt, self.tokenizer.encode(prompt)
+
+    def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm, unit="req")
+        start, tokens_before = time.perf_counter(), self.engine.num_generated_tokens
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    bar.update(1)
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix(tok_s=f"{(self.engine.num_generated_tokens - tokens_before) / elapsed:.1f}")
+        bar.close()
+        return [finished[i] for i in request_ids]
+
+
+def resolve_attention_impl(requested: str) -> str:
+    """`auto` and `xla` use the XLA implementation. The Pallas kernel is not built yet."""
+    if requested == "pallas":
+        raise ValueError("attention_impl='pallas': the Pallas kernel is not available yet; use 'auto' or 'xla'")
+    return "xla"
+
+
+def _check_buckets(buckets, max_tokens: int, max_seqs: int) -> None:
+    if buckets.tokens[-1] != max_tokens or buckets.seqs[-1] != max_seqs:
+        raise ValueError(f"the largest buckets must equal the limits: tokens {buckets.tokens} must end at "
+                         f"max_num_batched_tokens={max_tokens}, seqs {buckets.seqs} at max_num_seqs={max_seqs}")

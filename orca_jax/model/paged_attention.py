@@ -1,0 +1,116 @@
+"""The paged KV cache as the model sees it: writing new K/V into pages, and the XLA implementation
+of the kernel contract (DESIGN.md):
+
+    ragged_paged_attention(q[T,H,Dh], k_pages[P,page,K,Dh], v_pages[P,page,K,Dh], segment_ids[T],
+                           positions[T], block_tables[S,max_pages], kv_lens[S], *, sm_scale) -> [T,H,Dh]
+
+Token t of segment s attends to the cached tokens of s at positions <= positions[t]; its own K/V is
+already written. Tokens with a segment id outside [0, S) are padding and give zeros.
+
+The XLA version splits each token's keys in two, sharing one online softmax:
+  1. the tokens of this call (a prefill chunk, or a decode's single token): their K/V are read back
+     from the pages at their own slots and attended densely, [T, T] with a segment + causal mask;
+  2. the context cached before the call's first token of the segment, read page-block by
+     page-block in a loop whose trip count follows the longest context *at run time*, so a prefill
+     with no cached context costs nothing here and no context-length bucket is compiled.
+Precondition (how the engine calls it): within one call, a segment's tokens are its latest positions,
+consecutive, ending at kv_lens - 1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+# Finite, so a row with every key masked gives zeros instead of NaN (exp(-inf - -inf) = NaN).
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+KVPages = Float[Array, "P page K Dh"]
+PAGES_PER_BLOCK = 8  # context pages gathered per loop iteration
+
+
+def write_kv(
+    k_pages: KVPages, v_pages: KVPages, k: Float[Array, "T K Dh"], v: Float[Array, "T K Dh"],
+    slot_mapping: Int[Array, " T"],
+) -> tuple[KVPages, KVPages]:
+    """Scatters this call's K/V to their slots (page * page_size + offset); padding tokens write to
+    a scratch slot no request owns. In place when the caller donates the pages."""
+    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
+    flat_shape = (num_pages * page_size, num_kv_heads, head_dim)
+    k_pages = k_pages.reshape(flat_shape).at[slot_mapping].set(k.astype(k_pages.dtype)).reshape(k_pages.shape)
+    v_pages = v_pages.reshape(flat_shape).at[slot_mapping].set(v.astype(v_pages.dtype)).reshape(v_pages.shape)
+    return k_pages, v_pages
+
+
+def ragged_paged_attention_xla(
+    q: Float[Array, "T H Dh"],
+    k_pages: KVPages,
+    v_pages: KVPages,
+    segment_ids: Int[Array, " T"],
+    positions: Int[Array, " T"],
+    block_tables: Int[Array, "S max_pages"],
+    kv_lens: Int[Array, " S"],
+    *,
+    sm_scale: float,
+) -> Float[Array, "T H Dh"]:
+    del kv_lens  # implied by the precondition: the call's last token of a segment is its last position
+    num_tokens, num_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    num_seqs, max_pages = block_tables.shape
+    group = num_heads // num_kv_heads
+    valid = (segment_ids >= 0) & (segment_ids < num_seqs)  # [T]
+    seg = jnp.clip(segment_ids, 0, num_seqs - 1)
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * sm_scale  # [T, K, G, Dh]
+
+    # 1. This call's own tokens, read back from their slots.
+    page_index = jnp.clip(positions // page_size, 0, max_pages - 1)
+    slots = block_tables[seg, page_index] * page_size + positions % page_size  # [T]
+    k_flat = k_pages.reshape(num_pages * page_size, num_kv_heads, head_dim)
+    v_flat = v_pages.reshape(num_pages * page_size, num_kv_heads, head_dim)
+    k_new = k_flat[slots].astype(jnp.float32)  # [T, K, Dh]
+    v_new = v_flat[slots].astype(jnp.float32)
+    scores = jnp.einsum("tkgd,skd->tkgs", qg, k_new)  # [T, K, G, T]
+    visible = (seg[:, None] == seg[None, :]) & valid[None, :] & (positions[None, :] <= positions[:, None])
+    scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
+    row_max = scores.max(axis=-1)  # [T, K, G]
+    probs = jnp.exp(scores - row_max[..., None])
+    row_sum = probs.sum(axis=-1)
+    acc = jnp.einsum("tkgs,skd->tkgd", probs, v_new)  # [T, K, G, Dh]
+
+    # 2. Context cached before the call: positions [0, first position of the segment in this call).
+    big = jnp.iinfo(jnp.int32).max
+    first = jnp.full((num_seqs,), big, jnp.int32).at[seg].min(jnp.where(valid, positions, big))
+    context_len = jnp.where(valid, first[seg], 0)  # [T]
+    block_tokens = PAGES_PER_BLOCK * page_size
+    num_blocks = (context_len.max() + block_tokens - 1) // block_tokens
+    token_tables = block_tables[seg]  # [T, max_pages]
+
+    def attend_block(j, carry):
+        row_max, row_sum, acc = carry
+        page_slots = j * PAGES_PER_BLOCK + jnp.arange(PAGES_PER_BLOCK)  # [B]
+        pages = jnp.take(token_tables, jnp.clip(page_slots, 0, max_pages - 1), axis=1)  # [T, B]
+        k_blk = k_pages[pages].reshape(num_tokens, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
+        v_blk = v_pages[pages].reshape(num_tokens, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
+        key_pos = j * block_tokens + jnp.arange(block_tokens)  # [L]
+        s = jnp.einsum("tkgd,tlkd->tkgl", qg, k_blk)  # [T, K, G, L]
+        s = jnp.where((key_pos[None, :] < context_len[:, None])[:, None, None, :], s, MASK_VALUE)
+        new_max = jnp.maximum(row_max, s.max(axis=-1))
+        scale = jnp.exp(row_max - new_max)
+        p = jnp.exp(s - new_max[..., None])
+        return new_max, row_sum * scale + p.sum(axis=-1), acc * scale[..., None] + jnp.einsum("tkgl,tlkd->tkgd", p, v_blk)
+
+    row_max, row_sum, acc = jax.lax.fori_loop(0, num_blocks, attend_block, (row_max, row_sum, acc))
+    out = acc / row_sum[..., None]
+    out = jnp.where(valid[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+ATTENTION_IMPLS = {"xla": ragged_paged_attention_xla}
+
+
+def ragged_paged_attention(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens, *,
+                           sm_scale: float, impl: str = "xla"):
+    """The one call site of the kernel contract; `impl` picks the implementation."""
+    return ATTENTION_IMPLS[impl](q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens,
+                                 sm_scale=sm_scale)

@@ -1,0 +1,106 @@
+"""On-device sampling: one batch, per-request parameters as arrays, so no combination recompiles.
+
+Order (as vLLM): penalties -> min_tokens stop suppression -> temperature -> top-k -> top-p ->
+min-p -> draw. Randomness is keyed by (request seed, index of the token being generated), never by
+the batch row, so a request samples the same tokens whatever else shares its batch. Reported
+logprobs are those of the raw model distribution (before penalties and filters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, UInt32
+
+from orca_jax.sampling_params import MAX_LOGPROBS
+
+NEG_INF = -jnp.inf
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    temperature: Float[Array, " S"]  # 0 = greedy
+    top_k: Int[Array, " S"]  # 0 = off
+    top_p: Float[Array, " S"]  # 1 = off
+    min_p: Float[Array, " S"]  # 0 = off
+    repetition_penalty: Float[Array, " S"]  # 1 = off
+    presence_penalty: Float[Array, " S"]
+    frequency_penalty: Float[Array, " S"]
+    seeds: UInt32[Array, " S"]
+    token_index: Int[Array, " S"]  # index of the token being sampled within the request's output
+    stop_ids: Int[Array, "S N"]  # EOS and stop tokens, -1 padded; suppressed while suppress_stop
+    suppress_stop: Bool[Array, " S"]  # fewer than min_tokens generated yet
+    output_counts: Int[Array, "S V"]  # occurrences of each token in the output so far
+    seen_tokens: Bool[Array, "S V"]  # token occurs in prompt or output (repetition penalty)
+    use_penalties: Bool[Array, ""]  # any row has a penalty: skip the [S, V] work otherwise
+    need_logprobs: Bool[Array, ""]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    tokens: Int[Array, " S"]
+    logprob: Float[Array, " S"]  # of the sampled token
+    top_ids: Int[Array, "S N"]  # N = MAX_LOGPROBS, best first
+    top_logprobs: Float[Array, "S N"]
+
+
+def apply_penalties(logits: Float[Array, "S V"], m: SamplingMetadata) -> Float[Array, "S V"]:
+    rep = m.repetition_penalty[:, None]
+    logits = jnp.where(m.seen_tokens, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    counts = m.output_counts.astype(logits.dtype)
+    logits = logits - m.frequency_penalty[:, None] * counts
+    return logits - m.presence_penalty[:, None] * (counts > 0)
+
+
+def filter_logits(scaled: Float[Array, "S V"], m: SamplingMetadata) -> Float[Array, "S V"]:
+    """Masks tokens outside top-k, the top-p nucleus and the min-p floor (to -inf)."""
+    vocab = scaled.shape[-1]
+    ordered = -jnp.sort(-scaled, axis=-1)  # [S, V] descending
+    k = jnp.where(m.top_k > 0, jnp.minimum(m.top_k, vocab), vocab)
+    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)  # [S, 1]
+    ordered = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], ordered, NEG_INF)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < p.
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = (mass_before < m.top_p[:, None]) & (probs >= m.min_p[:, None] * probs[:, :1])
+    num_kept = jnp.maximum(keep_sorted.sum(axis=-1), 1)
+    threshold = jnp.take_along_axis(ordered, (num_kept - 1)[:, None], axis=-1)
+    threshold = jnp.maximum(threshold, kth)
+    return jnp.where(scaled >= threshold, scaled, NEG_INF)
+
+
+def sample(logits: Float[Array, "S V"], m: SamplingMetadata) -> SamplerOutput:
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logits = jax.lax.cond(m.use_penalties, apply_penalties, lambda x, _: x, logits, m)
+    is_stop = (jnp.arange(logits.shape[-1])[None, None, :] == m.stop_ids[:, :, None]).any(axis=1)  # [S, V]
+    logits = jnp.where(m.suppress_stop[:, None] & is_stop, NEG_INF, logits)
+    greedy_tokens = jnp.argmax(logits, axis=-1)
+
+    def draw(logits):
+        temperature = jnp.where(m.temperature > 0, m.temperature, 1.0)[:, None]
+        scaled = logits / temperature
+        filtering = ((m.top_k > 0) | (m.top_p < 1.0) | (m.min_p > 0.0)).any()
+        scaled = jax.lax.cond(filtering, filter_logits, lambda x, _: x, scaled, m)
+        keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed), index))(m.seeds, m.token_index)
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
+        return jnp.argmax(scaled + gumbel, axis=-1)  # Gumbel-max: an exact draw from softmax(scaled)
+
+    any_random = (m.temperature > 0).any()
+    drawn = jax.lax.cond(any_random, draw, lambda _: greedy_tokens, logits)
+    tokens = jnp.where(m.temperature > 0, drawn, greedy_tokens).astype(jnp.int32)
+    logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+
+    def top(raw):
+        values, ids = jax.lax.top_k(raw, MAX_LOGPROBS)
+        return ids.astype(jnp.int32), values
+
+    def no_top(raw):
+        shape = (raw.shape[0], MAX_LOGPROBS)
+        return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, raw.dtype)
+
+    top_ids, top_logprobs = jax.lax.cond(m.need_logprobs, top, no_top, raw_logprobs)
+    return SamplerOutput(tokens=tokens, logprob=logprob, top_ids=top_ids, top_logprobs=top_logprobs)
