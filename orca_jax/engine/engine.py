@@ -116,14 +116,10 @@ class LLMEngine:
                 f"prompt + max_tokens = {total} tokens exceeds the whole KV cache ({capacity} tokens); "
                 "raise kv_cache_memory or lower max_tokens")
         policy, budget = self.config.scheduler.policy, self.config.scheduler.max_num_batched_tokens
-        # Policies without chunking compute a whole prompt in one step; `paged` may have to recompute
-        # prompt + outputs in one step after a preemption.
-        must_fit = {"static": len(prompt_ids), "orca": len(prompt_ids), "paged": total}.get(policy)
-        if must_fit is not None and must_fit > budget:
+        if policy != "chunked" and len(prompt_ids) > budget:  # the others prefill a prompt in one step
             raise RequestRejected(
-                f"{'prompt + max_tokens' if policy == 'paged' else 'the prompt'} ({must_fit} tokens) exceeds "
-                f"max_num_batched_tokens={budget}, the most the '{policy}' policy computes in one step; "
-                "raise max_num_batched_tokens or use the 'chunked' policy")
+                f"the prompt ({len(prompt_ids)} tokens) exceeds max_num_batched_tokens={budget}, the most the "
+                f"'{policy}' policy computes in one step; raise max_num_batched_tokens or use the 'chunked' policy")
         if params.min_tokens > 0 and len(params.stop_token_ids) + 1 > MAX_STOP_IDS:
             raise RequestRejected(f"with min_tokens, at most {MAX_STOP_IDS - 1} stop_token_ids are supported")
         for token in params.stop_token_ids:

@@ -141,8 +141,8 @@ class ModelRunner:
 
         # Pinning output placements keeps the donated caches' sharding identical across steps, so
         # the jit cache key never changes after warm-up.
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        self._step = jax.jit(step, donate_argnums=(1,), out_shardings=(replicated, kv_sharding))
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self._step = jax.jit(step, donate_argnums=(1,), out_shardings=(self.replicated, kv_sharding))
         self._warm_cache_size: int | None = None
 
     @property
@@ -190,6 +190,9 @@ class ModelRunner:
         return sampled
 
     def _run(self, inputs: StepInputs, sampling: SamplingMetadata) -> SamplerOutput:
+        # One explicit placement for host arrays and device-resident ones alike: mixing the two
+        # would give the jit cache two keys for one bucket.
+        inputs, sampling = jax.device_put((inputs, sampling), self.replicated)
         result, self.kv_caches = self._step(self.params, self.kv_caches, inputs, sampling)
         return jax.device_get(result)  # the step's one device -> host copy
 
@@ -268,8 +271,8 @@ class ModelRunner:
         """Kept on device per bucket, so steps without penalties never ship [S, V] arrays."""
         if num_seqs not in self._zero_penalties:
             vocab = self.config.vocab_size
-            self._zero_penalties[num_seqs] = (
-                jnp.zeros((num_seqs, vocab), jnp.int32), jnp.zeros((num_seqs, vocab), bool)
+            self._zero_penalties[num_seqs] = jax.device_put(
+                (np.zeros((num_seqs, vocab), np.int32), np.zeros((num_seqs, vocab), bool)), self.replicated
             )
         return self._zero_penalties[num_seqs]
 

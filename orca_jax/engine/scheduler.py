@@ -14,7 +14,8 @@ The policies (DESIGN.md):
   Never preempts.
 - paged (vLLM): admission while the prompt's pages fit; pages grow on demand; when they run out,
   the running request with the fewest computed tokens is preempted (its pages freed, recomputed
-  later) and goes back to the head of the queue.
+  later) and goes back to the head of the queue. A recompute longer than the token budget is
+  done in budget-sized pieces (a prompt itself always fits: the engine checks at admission).
 - chunked (Sarathi-Serve): like paged, but decodes are scheduled first and prompts are split into
   chunks that fill the rest of the token budget.
 """
@@ -112,9 +113,9 @@ class Scheduler:
         for request in running:
             if request.status != RequestStatus.RUNNING or budget == 0:
                 continue
-            num_new = min(request.num_uncomputed_tokens, budget) if chunked else request.num_uncomputed_tokens
-            if num_new > budget:
-                continue
+            # Beyond `chunked`, only the recompute of a preempted request can exceed the budget; it
+            # continues in budget-sized pieces.
+            num_new = min(request.num_uncomputed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, out):
                 continue  # the request itself was preempted
             budget -= num_new
@@ -157,7 +158,8 @@ class Scheduler:
             cached = self.kv.match_prefix(request)
             request.num_computed_tokens = cached
             need = request.num_uncomputed_tokens
-            num_new = min(need, budget) if policy == "chunked" else need
+            splittable = policy == "chunked" or request.num_preemptions > 0
+            num_new = min(need, budget) if splittable else need
             reserve = request.max_total_tokens if policy == "orca" else cached + num_new
             if num_new > budget or not self.kv.allocate(request, reserve):
                 self.kv.free(request)  # give back prefix-cache pages taken above

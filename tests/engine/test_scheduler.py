@@ -114,6 +114,16 @@ def test_chunked_puts_decodes_first_and_respects_the_token_budget():
     assert all(o.outputs[0].token_ids == expected_output(p, m) for (p, m), o in zip(workload, outputs))
 
 
+def test_paged_recomputes_a_long_preempted_request_in_budget_sized_pieces():
+    engine = make_engine("paged", num_pages=12, page_size=4, max_num_seqs=2, max_num_batched_tokens=16)
+    workload = [([1] * 10, 30), ([2] * 10, 30)]  # 40 tokens each: a recompute exceeds the budget of 16
+    outputs, _ = run(engine, workload)
+    assert engine.scheduler.num_preemptions > 0
+    assert all(plan.num_batched_tokens <= 16 for plan in engine.runner.plans)
+    for (prompt, max_tokens), out in zip(workload, outputs):
+        assert out.outputs[0].token_ids == expected_output(prompt, max_tokens)
+
+
 @pytest.mark.parametrize("policy", ["paged", "chunked"])
 def test_preemption_under_a_small_cache_keeps_outputs_right(policy):
     engine = make_engine(policy, num_pages=10, page_size=4, max_num_seqs=4, max_num_batched_tokens=64)
@@ -175,7 +185,7 @@ def test_abort_frees_pages_at_once():
 
 @pytest.mark.parametrize("policy, prompt_len, max_tokens, limit", [
     ("orca", 70, 1, "max_num_batched_tokens=64"),
-    ("paged", 40, 30, "max_num_batched_tokens=64"),
+    ("paged", 65, 3, "max_num_batched_tokens=64"),
     ("chunked", 4000, 200, "context length of 4096"),
     ("chunked", 200, 100, "whole KV cache"),
 ])

@@ -1,0 +1,64 @@
+"""The engine on the real SmolLM2 weights: the reference greedy continuations, and batched == solo
+for every policy, greedy and seeded sampling."""
+
+import pytest
+
+from orca_jax.sampling_params import SamplingParams
+
+from .conftest import SMOLLM2_LIMITS, make_engine, run_all
+
+POLICIES = ["static", "orca", "paged", "chunked"]
+
+EXTRA_PROMPTS = [
+    "Once upon a time, in a small village by the sea,",
+    "import numpy as np\n\ndef softmax(x):",
+    "The three laws of thermodynamics are",
+    "List of prime numbers: 2, 3, 5, 7,",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "In 1969, the first humans",
+]
+
+
+@pytest.fixture(scope="module")
+def requests(smollm2, smollm2_reference):
+    """Reference prompts plus others: 9 requests for 8 slots, prompt lengths 5..35 tokens (around
+    the page size of 16), outputs of 3..20 tokens."""
+    prompts = [c["prompt_ids"] for c in smollm2_reference["cases"]]
+    prompts += [smollm2.tokenizer.encode(p) for p in EXTRA_PROMPTS]
+    return [(p, 3 + (7 * i) % 18) for i, p in enumerate(prompts)]
+
+
+def test_engine_greedy_matches_the_reference(smollm2, smollm2_runner, smollm2_reference):
+    cases = smollm2_reference["cases"]
+    engine = make_engine(smollm2_runner, smollm2, "chunked", **SMOLLM2_LIMITS)
+    outputs = run_all(engine, [(c["prompt_ids"], SamplingParams(temperature=0, max_tokens=len(c["greedy_ids"])))
+                               for c in cases])
+    for case, out in zip(cases, outputs):
+        assert out.outputs[0].token_ids == case["greedy_ids"]
+        assert out.outputs[0].text == case["greedy_text"].removesuffix("<|im_end|>")
+
+
+def workload(requests, sampling):
+    return [(p, SamplingParams(temperature=0.0, max_tokens=m) if sampling == "greedy"
+             else SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=m, seed=i))
+            for i, (p, m) in enumerate(requests)]
+
+
+@pytest.fixture(scope="module")
+def solo_tokens(smollm2, smollm2_runner, requests):
+    """Each request run alone (one engine per request): the same for every policy, so computed once."""
+    return {
+        sampling: [run_all(make_engine(smollm2_runner, smollm2, "chunked", **SMOLLM2_LIMITS), [r])[0].outputs[0].token_ids
+                   for r in workload(requests, sampling)]
+        for sampling in ("greedy", "seeded")
+    }
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_batched_equals_solo(smollm2, smollm2_runner, requests, solo_tokens, policy, sampling):
+    engine = make_engine(smollm2_runner, smollm2, policy, **SMOLLM2_LIMITS)
+    batched = run_all(engine, workload(requests, sampling))
+    assert engine.num_steps < sum(len(t) for t in solo_tokens[sampling])  # requests did share steps
+    assert [out.outputs[0].token_ids for out in batched] == solo_tokens[sampling]
+    assert smollm2_runner.num_compilations_after_warmup == 0
