@@ -70,6 +70,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.step_time_s = 0.0  # wall time inside step(), host work and device work together
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -161,6 +162,13 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration. Returns an output for every request that got new tokens or finished."""
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.step_time_s += time.perf_counter() - start
+
+    def _step(self) -> list[RequestOutput]:
         touched, self._released_by_abort = self._released_by_abort, {}
         plan: SchedulerOutput = self.scheduler.schedule()
         advanced, sampled = [], {}

@@ -29,7 +29,8 @@ from orca_jax.model.decoder import Decoder
 from orca_jax.model.sampler import SamplerOutput, SamplingMetadata, sample
 from orca_jax.parallel import kv_cache_sharding, make_mesh, param_shardings
 from orca_jax.sampling_params import MAX_STOP_IDS
-MIN_TOKEN_BUCKET = 8
+MIN_TOKEN_BUCKET = 16
+MIN_SEQ_BUCKET = 4
 
 
 def enable_compilation_cache() -> None:
@@ -58,9 +59,11 @@ class Buckets:
 
     @classmethod
     def for_limits(cls, max_num_batched_tokens: int, max_num_seqs: int) -> "Buckets":
+        """Powers of two up to the limits. The smallest buckets are coarse on purpose: each bucket
+        costs a compile (~7 s for SmolLM2 on 2 cores), and padding a tiny step is cheap."""
         return cls(
             tokens=power_of_two_buckets(min(MIN_TOKEN_BUCKET, max_num_batched_tokens), max_num_batched_tokens),
-            seqs=power_of_two_buckets(1, max_num_seqs),
+            seqs=power_of_two_buckets(min(MIN_SEQ_BUCKET, max_num_seqs), max_num_seqs),
         )
 
     def pairs(self) -> list[tuple[int, int]]:
@@ -85,6 +88,17 @@ class StepInputs:
     block_tables: Int[Array, "S max_pages"]
     kv_lens: Int[Array, " S"]
     logits_index: Int[Array, " S"]  # last token of each sequence
+
+
+@dataclasses.dataclass
+class RunnerStats:
+    """Cumulative figures since start (or the last `reset`), for benchmarks and metrics."""
+
+    steps: int = 0
+    prepare_s: float = 0.0  # host: building the padded arrays
+    device_s: float = 0.0  # dispatch + device compute + the result copy
+    real_tokens: int = 0
+    padded_tokens: int = 0  # tokens computed including bucket padding
 
 
 @dataclasses.dataclass
@@ -144,6 +158,7 @@ class ModelRunner:
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self._step = jax.jit(step, donate_argnums=(1,), out_shardings=(self.replicated, kv_sharding))
         self._warm_cache_size: int | None = None
+        self.stats = RunnerStats()
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -159,6 +174,7 @@ class ModelRunner:
             self._run(inputs, sampling)
         elapsed = time.perf_counter() - start
         self._warm_cache_size = self._step._cache_size()
+        self.stats = RunnerStats()
         if show_progress:
             print(f"warm-up: {len(pairs)} buckets (tokens {list(self.buckets.tokens)} x seqs "
                   f"{list(self.buckets.seqs)}) ready in {elapsed:.1f} s")
@@ -173,7 +189,12 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         """Runs one step; returns the sampled token of every request whose step reached its end."""
+        start = time.perf_counter()
         inputs, sampling = self._prepare(out)
+        self.stats.prepare_s += time.perf_counter() - start
+        self.stats.steps += 1
+        self.stats.padded_tokens += len(inputs.token_ids)
+        self.stats.real_tokens += out.num_batched_tokens
         result = self._run(inputs, sampling)
         sampled = {}
         for row, planned in enumerate(out.scheduled):
@@ -190,11 +211,14 @@ class ModelRunner:
         return sampled
 
     def _run(self, inputs: StepInputs, sampling: SamplingMetadata) -> SamplerOutput:
+        start = time.perf_counter()
         # One explicit placement for host arrays and device-resident ones alike: mixing the two
         # would give the jit cache two keys for one bucket.
         inputs, sampling = jax.device_put((inputs, sampling), self.replicated)
         result, self.kv_caches = self._step(self.params, self.kv_caches, inputs, sampling)
-        return jax.device_get(result)  # the step's one device -> host copy
+        result = jax.device_get(result)  # the step's one device -> host copy
+        self.stats.device_s += time.perf_counter() - start
+        return result
 
     def _prepare(self, out: SchedulerOutput) -> tuple[StepInputs, SamplingMetadata]:
         # Static batches keep finished members as padding rows: they cost compute, as in FasterTransformer.

@@ -8,8 +8,9 @@ advances the requests; the engine then decides which have finished and calls `fi
 The policies (DESIGN.md):
 
 - static: request-level batching (the FasterTransformer baseline of the Orca paper). A batch is
-  admitted only into an empty engine; it keeps its shape until every member is done (finished
-  members stay as padding rows) and its results are released together.
+  admitted only into an empty engine; its prompts are prefilled first, then it decodes as one,
+  keeping its shape until every member is done (finished members stay as padding rows); its
+  results are released together.
 - orca: admission every iteration, FCFS, while the reservation of prompt + max_tokens pages fits.
   Never preempts.
 - paged (vLLM): admission while the prompt's pages fit; pages grow on demand; when they run out,
@@ -172,17 +173,24 @@ class Scheduler:
             self._plan(out, request, num_new)
 
     def _schedule_static(self) -> SchedulerOutput:
+        """Request-level batching: admit a batch into an empty engine, prefill all of its prompts
+        (whole prompts, as many per step as the token budget holds), then decode the whole batch
+        together until its last member finishes."""
         out = SchedulerOutput()
-        if not self.running:  # admit a new batch only into an empty engine
-            budget = self.config.max_num_batched_tokens
+        if not self.running:
             while self.waiting and len(self.running) < self.config.max_num_seqs:
-                request = self.waiting[0]
-                need = request.num_uncomputed_tokens
-                if need > budget or not self.kv.allocate(request, request.max_total_tokens):
+                if not self.kv.allocate(self.waiting[0], self.waiting[0].max_total_tokens):
                     break
-                self.waiting.popleft()
-                self._start_running(request)
-                budget -= need
+                self._start_running(self.waiting.popleft())
+        unprefilled = [r for r in self.running if r.num_computed_tokens == 0 and not r.finished]
+        if unprefilled:
+            budget = self.config.max_num_batched_tokens
+            for request in unprefilled:
+                if request.num_uncomputed_tokens > budget:
+                    break
+                budget -= request.num_uncomputed_tokens
+                self._plan(out, request, request.num_uncomputed_tokens)
+            return out
         for request in self.running:
             if request.finished:
                 out.num_padding_seqs += 1

@@ -76,6 +76,18 @@ def test_static_admits_only_into_an_empty_batch_and_releases_together():
     assert all(o.outputs[0].token_ids == expected_output(p, m) for (p, m), o in zip(workload, outputs))
 
 
+def test_static_prefills_a_large_batch_over_several_steps_before_decoding():
+    engine = make_engine("static", max_num_seqs=4, max_num_batched_tokens=16)
+    workload = [([i + 1] * 10, 3) for i in range(4)]  # 40 prompt tokens, 16 per step
+    outputs, _ = run(engine, workload)
+    plans = engine.runner.plans
+    # One whole prompt per step fits the budget; nobody decodes until the whole batch is prefilled.
+    assert [[p.num_new_tokens for p in plan.scheduled] for plan in plans[:4]] == [[10], [10], [10], [10]]
+    decode_steps = plans[4:]
+    assert [len(plan.scheduled) for plan in decode_steps] == [4, 4]  # then the batch decodes as one
+    assert all(o.outputs[0].token_ids == expected_output(p, m) for (p, m), o in zip(workload, outputs))
+
+
 def test_orca_never_preempts_nor_overcommits_its_reservation():
     engine = make_engine("orca", num_pages=12, page_size=4, max_num_seqs=8)
     workload = [([i] * 5, 10) for i in range(1, 9)]  # each reserves ceil(15 / 4) = 4 pages of 12
