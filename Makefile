@@ -24,9 +24,18 @@ pull: $(CHECKPOINT)
 $(CHECKPOINT): | $(INSTALLED)
 	$(BIN)/orca-jax pull $(MODEL)
 
+# The main job: a batch of chat prompts through the engine (continuous batching, chunked prefill).
 run: setup pull
-	$(BIN)/orca-jax generate --model $(MODEL) --chat --max-tokens 48 \
-		"What is the capital of France?" "Write a haiku about the sea."
+	$(BIN)/orca-jax generate --model $(MODEL) --chat --max-tokens 64 \
+		--policy chunked --max-num-seqs 16 --max-num-batched-tokens 256 \
+		"What is the capital of France?" \
+		"Write a haiku about the sea." \
+		"Name three primary colors." \
+		"Explain what a hash table is in two sentences." \
+		"Give me a Python function that reverses a string." \
+		"What causes the seasons on Earth?" \
+		"Suggest a name for a friendly robot." \
+		"Translate 'good morning' into French and Spanish."
 
 test: setup pull
 	$(BIN)/python -m pytest -q tests

@@ -112,10 +112,10 @@ class LLM:
         params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params; pass one, or one per prompt")
-        ids = []
-        for prompt, p in zip(prompts, params):
-            text, token_ids = self._tokenize(prompt)
-            ids.append(self.engine.add_request(token_ids, p, prompt=text))
+        tokenized = [self._tokenize(prompt) for prompt in prompts]
+        for (_, token_ids), p in zip(tokenized, params):  # reject the batch before queueing any of it
+            self.engine.validate(token_ids, p)
+        ids = [self.engine.add_request(token_ids, p, prompt=text) for (text, token_ids), p in zip(tokenized, params)]
         return self._run_to_completion(ids, use_tqdm)
 
     def chat(

@@ -78,7 +78,7 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         samples = []
         for i in range(params.n):
@@ -99,7 +99,8 @@ class LLMEngine:
             self._samples[sample.request.request_id] = (group, sample)
         return request_id
 
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises RequestRejected, naming the limit, for a request that could never be served."""
         if not prompt_ids:
             raise RequestRejected("the prompt is empty; give at least one token")
         vocab = self.model_config.vocab_size

@@ -14,7 +14,7 @@ The XLA version splits each token's keys in two, sharing one online softmax:
      page-block in a loop whose trip count follows the longest context *at run time*, so a prefill
      with no cached context costs nothing here and no context-length bucket is compiled.
 Precondition (how the engine calls it): within one call, a segment's tokens are its latest positions,
-consecutive, ending at kv_lens - 1.
+consecutive, ending at kv_lens - 1. For speed (not correctness) decode tokens come first.
 """
 
 from __future__ import annotations
@@ -82,28 +82,47 @@ def ragged_paged_attention_xla(
     big = jnp.iinfo(jnp.int32).max
     first = jnp.full((num_seqs,), big, jnp.int32).at[seg].min(jnp.where(valid, positions, big))
     context_len = jnp.where(valid, first[seg], 0)  # [T]
-    block_tokens = PAGES_PER_BLOCK * page_size
-    num_blocks = (context_len.max() + block_tokens - 1) // block_tokens
     token_tables = block_tables[seg]  # [T, max_pages]
+    carry = (row_max, row_sum, acc)
+    # Two row groups, each looping only as far as its own longest context: the engine puts decode
+    # tokens (at most S of them) first, so a step that mixes decodes with fresh prompts pays the
+    # context loop for S rows, not T.
+    split = min(num_seqs, num_tokens)
+    groups = [slice(0, split), slice(split, num_tokens)] if split < num_tokens else [slice(0, num_tokens)]
+    parts = [
+        _attend_context(qg[g], token_tables[g], context_len[g], k_pages, v_pages, tuple(c[g] for c in carry))
+        for g in groups
+    ]
+    row_max, row_sum, acc = (jnp.concatenate([p[i] for p in parts]) for i in range(3))
+    out = acc / row_sum[..., None]
+    out = jnp.where(valid[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def _attend_context(qg, token_tables, context_len, k_pages, v_pages, carry):
+    """Continues the online softmax of rows `qg` [R, K, G, Dh] over their cached context, a block of
+    PAGES_PER_BLOCK pages per iteration; the trip count follows the longest context at run time."""
+    num_rows, num_kv_heads, _, head_dim = qg.shape
+    page_size = k_pages.shape[1]
+    max_pages = token_tables.shape[1]
+    block_tokens = PAGES_PER_BLOCK * page_size
+    num_blocks = (context_len.max(initial=0) + block_tokens - 1) // block_tokens
 
     def attend_block(j, carry):
         row_max, row_sum, acc = carry
         page_slots = j * PAGES_PER_BLOCK + jnp.arange(PAGES_PER_BLOCK)  # [B]
-        pages = jnp.take(token_tables, jnp.clip(page_slots, 0, max_pages - 1), axis=1)  # [T, B]
-        k_blk = k_pages[pages].reshape(num_tokens, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
-        v_blk = v_pages[pages].reshape(num_tokens, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
+        pages = jnp.take(token_tables, jnp.clip(page_slots, 0, max_pages - 1), axis=1)  # [R, B]
+        k_blk = k_pages[pages].reshape(num_rows, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
+        v_blk = v_pages[pages].reshape(num_rows, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
         key_pos = j * block_tokens + jnp.arange(block_tokens)  # [L]
-        s = jnp.einsum("tkgd,tlkd->tkgl", qg, k_blk)  # [T, K, G, L]
+        s = jnp.einsum("tkgd,tlkd->tkgl", qg, k_blk)  # [R, K, G, L]
         s = jnp.where((key_pos[None, :] < context_len[:, None])[:, None, None, :], s, MASK_VALUE)
         new_max = jnp.maximum(row_max, s.max(axis=-1))
         scale = jnp.exp(row_max - new_max)
         p = jnp.exp(s - new_max[..., None])
         return new_max, row_sum * scale + p.sum(axis=-1), acc * scale[..., None] + jnp.einsum("tkgl,tlkd->tkgd", p, v_blk)
 
-    row_max, row_sum, acc = jax.lax.fori_loop(0, num_blocks, attend_block, (row_max, row_sum, acc))
-    out = acc / row_sum[..., None]
-    out = jnp.where(valid[:, None, None, None], out, 0.0)
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    return jax.lax.fori_loop(0, num_blocks, attend_block, carry)
 
 
 ATTENTION_IMPLS = {"xla": ragged_paged_attention_xla}
