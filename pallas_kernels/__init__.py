@@ -1,6 +1,14 @@
 """Pallas attention kernels for orca_jax.
 
-The ragged paged attention kernel of the DESIGN.md contract lands here (kernel, jitted wrapper and
-pure-jnp reference in one module). Until it does, the model uses the XLA attention in
-`orca_jax.model.attention`.
+`ragged_paged_attention` is the kernel of the DESIGN.md contract: one call serves decode tokens,
+prefill chunks and both mixed, reading K/V from the paged cache and keeping requests apart by
+segment id. `ragged_paged_attention_reference` is the same contract in plain jnp.
 """
+
+from pallas_kernels.ragged_paged_attention import (
+    BlockSizes,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+
+__all__ = ["BlockSizes", "ragged_paged_attention", "ragged_paged_attention_reference"]

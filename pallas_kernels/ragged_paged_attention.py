@@ -1,0 +1,210 @@
+"""Ragged paged attention over per-request segment ids, as one Pallas kernel.
+
+The kernel contract (DESIGN.md):
+
+    ragged_paged_attention(q[T, Hq, Dh], k_pages[P, page, Hkv, Dh], v_pages[P, page, Hkv, Dh],
+                           segment_ids[T], positions[T], block_tables[S, max_pages], kv_lens[S],
+                           *, sm_scale, interpret=False) -> [T, Hq, Dh]
+
+Token t of segment s attends to the cached tokens of s at positions <= positions[t] (its own K/V is
+already written), and below kv_lens[s]. Grouped-query attention: query head h reads KV head
+h // (Hq // Hkv). A token whose segment id is outside [0, S) is padding and gives zeros. Tokens may
+come in any order and a segment's tokens need not be contiguous; decode tokens, prefill chunks and
+both mixed are one call.
+
+Layout of the computation: the grid is (query blocks of `block_q` tokens) x (KV heads). A program
+loads its query block for the G query heads of its KV head, then visits each segment present in the
+block and, for that segment, each KV page up to the block's last position in it: every page is read
+once per program and shared by the G heads. Scores use an online softmax with a finite mask value;
+masked probabilities are zeroed explicitly, so a block whose keys are all masked adds nothing (the
+NaN trap of -inf masks) and a row with no key at all gives zeros.
+
+Decode tokens of different sequences share a query block, so compute is wasted on rows of other
+segments (at most block_q x), but each sequence's pages are read once: decode attention is bound by
+memory, not compute. The module follows jax's own Pallas ops: a block-size dataclass, the kernel,
+a jitted wrapper that validates its inputs, and `ragged_paged_attention_reference` in pure jnp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+# Finite, so exp(MASK - MASK) stays finite; masked probabilities are also zeroed explicitly.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    block_q: int = 16  # query tokens per program; a power of two (Triton tiles), >= 16 for tl.dot
+
+    def __post_init__(self) -> None:
+        if self.block_q < 1 or self.block_q & (self.block_q - 1):
+            raise ValueError(f"block_q must be a power of two, got {self.block_q}")
+
+
+def _kernel(
+    segment_ids_ref,  # [BQ] int32
+    positions_ref,  # [BQ] int32
+    q_ref,  # [BQ, G_pad, Dh], already scaled by sm_scale
+    block_tables_ref,  # [S, max_pages] int32 (whole array)
+    kv_lens_ref,  # [S] int32 (whole array)
+    k_pages_ref,  # [P, page, Dh]: this program's KV head
+    v_pages_ref,  # [P, page, Dh]
+    o_ref,  # [BQ, G_pad, Dh]
+    *,
+    num_seqs: int,
+    group: int,
+):
+    block_q, _, head_dim = q_ref.shape
+    page_size = k_pages_ref.shape[1]
+    segments = segment_ids_ref[...]
+    positions = positions_ref[...]
+    valid = (segments >= 0) & (segments < num_seqs)
+    queries = [q_ref[:, g, :] for g in range(group)]  # G x [BQ, Dh]
+
+    def visit_segment(seg, carry):
+        rows = valid & (segments == seg)  # [BQ]
+        kv_len = kv_lens_ref[seg]
+        end = jnp.minimum(jnp.max(jnp.where(rows, positions, -1)) + 1, kv_len)
+
+        def visit_page(j, carry):
+            page = block_tables_ref[seg, j]
+            k = k_pages_ref[page]  # [page, Dh]
+            v = v_pages_ref[page]
+            key_pos = j * page_size + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)  # [1, page]
+            visible = rows[:, None] & (key_pos <= positions[:, None]) & (key_pos < kv_len)  # [BQ, page]
+            updated = []
+            for q, (row_max, row_sum, acc) in zip(queries, carry):
+                scores = jax.lax.dot_general(
+                    q, k, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                    preferred_element_type=jnp.float32,
+                )  # [BQ, page]
+                scores = jnp.where(visible, scores, MASK_VALUE)
+                new_max = jnp.maximum(row_max, scores.max(axis=1))
+                correction = jnp.exp(row_max - new_max)
+                probs = jnp.where(visible, jnp.exp(scores - new_max[:, None]), 0.0)
+                pv = jax.lax.dot(probs.astype(v.dtype), v, precision=jax.lax.Precision.HIGHEST,
+                                 preferred_element_type=jnp.float32)  # [BQ, Dh]
+                updated.append((new_max, row_sum * correction + probs.sum(axis=1), acc * correction[:, None] + pv))
+            return tuple(updated)
+
+        return jax.lax.fori_loop(0, pl.cdiv(end, page_size), visit_page, carry)
+
+    first = jnp.min(jnp.where(valid, segments, num_seqs))
+    last = jnp.max(jnp.where(valid, segments, -1))
+    init = tuple(
+        (jnp.full((block_q,), MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32),
+         jnp.zeros((block_q, head_dim), jnp.float32))
+        for _ in range(group)
+    )
+    final = jax.lax.fori_loop(first, last + 1, visit_segment, init)
+    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)  # padded heads stay zero
+    for g, (_, row_sum, acc) in enumerate(final):
+        out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]  # no key at all: zeros
+        o_ref[:, g, :] = out.astype(o_ref.dtype)
+
+
+def _validate(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens) -> None:
+    def fail(message: str):
+        raise ValueError(f"ragged_paged_attention: {message}")
+
+    if q.ndim != 3:
+        fail(f"q must be [T, Hq, Dh], got shape {q.shape}")
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        fail(f"k_pages and v_pages must both be [P, page, Hkv, Dh], got {k_pages.shape} and {v_pages.shape}")
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, num_kv_heads, kv_head_dim = k_pages.shape
+    if kv_head_dim != head_dim:
+        fail(f"head dim of q ({head_dim}) and of the pages ({kv_head_dim}) differ")
+    if num_heads % num_kv_heads:
+        fail(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    if segment_ids.shape != (num_tokens,) or positions.shape != (num_tokens,):
+        fail(f"segment_ids and positions must be [T={num_tokens}], got {segment_ids.shape} and {positions.shape}")
+    if block_tables.ndim != 2 or kv_lens.shape != (block_tables.shape[0],):
+        fail(f"block_tables must be [S, max_pages] and kv_lens [S], got {block_tables.shape} and {kv_lens.shape}")
+    for name, array in (("segment_ids", segment_ids), ("positions", positions),
+                        ("block_tables", block_tables), ("kv_lens", kv_lens)):
+        if not jnp.issubdtype(array.dtype, jnp.integer):
+            fail(f"{name} must be integers, got {array.dtype}")
+    if k_pages.dtype != v_pages.dtype:
+        fail(f"k_pages ({k_pages.dtype}) and v_pages ({v_pages.dtype}) must share a dtype")
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret"))
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    segment_ids: jax.Array,
+    positions: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    *,
+    sm_scale: float,
+    block_sizes: BlockSizes = BlockSizes(),
+    interpret: bool = False,
+) -> jax.Array:
+    """See the module docstring. `interpret=True` runs the kernel body as plain JAX (any backend)."""
+    _validate(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens)
+    num_tokens, num_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    num_seqs, _ = block_tables.shape
+    group = num_heads // num_kv_heads
+    group_pad = 1 << (group - 1).bit_length()  # Triton tiles are powers of two
+    block_q = block_sizes.block_q
+    padded_tokens = pl.cdiv(num_tokens, block_q) * block_q
+
+    queries = (q.astype(jnp.float32) * sm_scale).astype(q.dtype).reshape(num_tokens, num_kv_heads, group, head_dim)
+    queries = jnp.pad(queries, ((0, padded_tokens - num_tokens), (0, 0), (0, group_pad - group), (0, 0)))
+    segments = jnp.pad(segment_ids.astype(jnp.int32), (0, padded_tokens - num_tokens), constant_values=num_seqs)
+    positions = jnp.pad(positions.astype(jnp.int32), (0, padded_tokens - num_tokens))
+
+    token_block = pl.BlockSpec((block_q,), lambda i, h: (i,))
+    head_block = pl.BlockSpec((block_q, None, group_pad, head_dim), lambda i, h: (i, h, 0, 0))
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
+    pages_of_head = pl.BlockSpec((num_pages, page_size, None, head_dim), lambda i, h: (0, 0, h, 0))
+    compiler_params = None
+    if not interpret and jax.default_backend() == "gpu":
+        from jax.experimental.pallas import triton as pl_triton
+
+        compiler_params = pl_triton.CompilerParams(num_warps=4, num_stages=2)
+    out = pl.pallas_call(
+        functools.partial(_kernel, num_seqs=num_seqs, group=group),
+        grid=(padded_tokens // block_q, num_kv_heads),
+        in_specs=[token_block, token_block, head_block, whole(block_tables.shape), whole(kv_lens.shape),
+                  pages_of_head, pages_of_head],
+        out_specs=head_block,
+        out_shape=jax.ShapeDtypeStruct(queries.shape, q.dtype),
+        interpret=interpret,
+        compiler_params=compiler_params,
+        name="ragged_paged_attention",
+    )(segments, positions, queries, block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32), k_pages, v_pages)
+    return out[:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim)
+
+
+def ragged_paged_attention_reference(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens, *,
+                                     sm_scale: float) -> jax.Array:
+    """The contract in plain jnp, float32 math, one dense softmax per token: the tests' oracle."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    num_seqs, max_pages = block_tables.shape
+    valid = (segment_ids >= 0) & (segment_ids < num_seqs)
+    seg = jnp.clip(segment_ids, 0, num_seqs - 1)
+    keys = k_pages[block_tables[seg]].reshape(num_tokens, max_pages * page_size, num_kv_heads, head_dim)
+    values = v_pages[block_tables[seg]].reshape(num_tokens, max_pages * page_size, num_kv_heads, head_dim)
+    group = num_heads // num_kv_heads
+    keys = jnp.repeat(keys.astype(jnp.float32), group, axis=2)  # [T, L, Hq, Dh]
+    values = jnp.repeat(values.astype(jnp.float32), group, axis=2)
+    scores = jnp.einsum("thd,tlhd->thl", q.astype(jnp.float32), keys) * sm_scale
+    key_pos = jnp.arange(max_pages * page_size)
+    visible = valid[:, None] & (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] < kv_lens[seg][:, None])
+    scores = jnp.where(visible[:, None, :], scores, -jnp.inf)
+    any_visible = visible.any(axis=1)[:, None, None]
+    probs = jax.nn.softmax(jnp.where(any_visible, scores, 0.0), axis=-1)
+    out = jnp.einsum("thl,tlhd->thd", probs, values)
+    return jnp.where(any_visible, out, 0.0).astype(q.dtype)
