@@ -159,11 +159,23 @@ class LLM:
         return [finished[i] for i in request_ids]
 
 
-def resolve_attention_impl(requested: str) -> str:
-    """`auto` and `xla` use the XLA implementation. The Pallas kernel is not built yet."""
+def resolve_attention_impl(requested: str, backend: str | None = None) -> str:
+    """Picks the attention implementation for this backend.
+
+    auto: the Pallas kernel on GPU; the XLA implementation elsewhere, because on CPU Pallas only
+    runs in interpret mode, which is far slower (see README, "Attention implementations").
+    pallas: compiled on GPU; in interpret mode elsewhere (correct, slow).
+    """
+    import jax
+
+    backend = backend or jax.default_backend()
+    if requested == "xla":
+        return "xla"
     if requested == "pallas":
-        raise ValueError("attention_impl='pallas': the Pallas kernel is not available yet; use 'auto' or 'xla'")
-    return "xla"
+        return "pallas" if backend == "gpu" else "pallas-interpret"
+    if requested == "auto":
+        return "pallas" if backend == "gpu" else "xla"
+    raise ValueError(f"attention_impl={requested!r}; choose 'auto', 'pallas' or 'xla'")
 
 
 def _check_buckets(buckets, max_tokens: int, max_seqs: int) -> None:

@@ -125,7 +125,23 @@ def _attend_context(qg, token_tables, context_len, k_pages, v_pages, carry):
     return jax.lax.fori_loop(0, num_blocks, attend_block, carry)
 
 
-ATTENTION_IMPLS = {"xla": ragged_paged_attention_xla}
+def _pallas(interpret: bool):
+    def call(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens, *, sm_scale):
+        from pallas_kernels import ragged_paged_attention as kernel
+
+        return kernel(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens,
+                      sm_scale=sm_scale, interpret=interpret)
+
+    return call
+
+
+# "pallas" compiles the kernel (Triton on GPU); "pallas-interpret" runs its body as plain JAX on any
+# backend (slow: for checking the kernel inside the engine on CPU).
+ATTENTION_IMPLS = {
+    "xla": ragged_paged_attention_xla,
+    "pallas": _pallas(interpret=False),
+    "pallas-interpret": _pallas(interpret=True),
+}
 
 
 def ragged_paged_attention(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens, *,

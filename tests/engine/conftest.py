@@ -21,6 +21,16 @@ def tiny_runner(tiny_trained):
 
 
 @pytest.fixture(scope="session")
+def tiny_pallas_runner(tiny_trained):
+    """The same runner with the Pallas kernel, run in interpret mode (CPU)."""
+    runner = ModelRunner(tiny_trained.model, num_pages=160, page_size=4, max_model_len=128,
+                         buckets=Buckets(tokens=(16, 64), seqs=(4, 8)), attention_impl="pallas-interpret",
+                         parallel=ParallelConfig())
+    runner.warm_up(show_progress=False)
+    return runner
+
+
+@pytest.fixture(scope="session")
 def smollm2_runner(smollm2):
     runner = ModelRunner(smollm2.model, num_pages=96, page_size=16, max_model_len=2048,
                          buckets=Buckets(tokens=(32, 128), seqs=(8,)), attention_impl="xla",

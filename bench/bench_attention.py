@@ -1,0 +1,96 @@
+"""Ragged paged attention: the Pallas kernel against the XLA implementation and the reference.
+
+    python bench/bench_attention.py                 # CPU: SmolLM2 shapes, f32, Pallas in interpret mode
+    python bench/bench_attention.py --shape 13b     # GPU: a GPT-3 13B-like layer (40 heads x 128), bf16
+
+For each batch kind (decode-heavy, prefill-heavy, mixed) it checks every implementation against
+`ragged_paged_attention_reference` and times it; prints a table and saves
+bench/results/attention_<backend>.json. On GPU the kernel is compiled with Triton; elsewhere it runs
+in interpret mode (a correctness path, not a fast one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from orca_jax.model.paged_attention import ragged_paged_attention_xla
+from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES = {  # heads, kv heads, head dim, dtype
+    "smollm2": (9, 3, 64, jnp.float32),
+    "13b": (40, 40, 128, jnp.bfloat16),
+}
+
+
+def batch(kind: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype, page_size: int = 16, seed: int = 0):
+    """decode: 64 sequences x 1 new token, 512 cached; prefill: one 512-token prompt;
+    mixed: 32 decodes (512 cached) + a 480-token prompt. Decode tokens come first, as the engine orders them."""
+    seqs = {"decode": [(512, 1)] * 64, "prefill": [(512, 512)], "mixed": [(512, 1)] * 32 + [(480, 480)]}[kind]
+    rng = np.random.default_rng(seed)
+    max_pages = 512 // page_size + 1
+    num_pages = len(seqs) * max_pages
+    tables = rng.permutation(num_pages).reshape(len(seqs), max_pages).astype(np.int32)
+    segments = np.concatenate([[s] * new for s, (_, new) in enumerate(seqs)]).astype(np.int32)
+    positions = np.concatenate([np.arange(n - new, n) for n, new in seqs]).astype(np.int32)
+    q = jnp.asarray(rng.normal(size=(len(segments), num_heads, head_dim)), dtype)
+    k = jnp.asarray(rng.normal(size=(num_pages, page_size, num_kv_heads, head_dim)), dtype)
+    v = jnp.asarray(rng.normal(size=(num_pages, page_size, num_kv_heads, head_dim)), dtype)
+    lens = np.array([n for n, _ in seqs], np.int32)
+    return q, k, v, jnp.asarray(segments), jnp.asarray(positions), jnp.asarray(tables), jnp.asarray(lens)
+
+
+def timed(fn, args, repeat: int) -> float:
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    for _ in range(repeat):
+        jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - start) / repeat
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: 13b on GPU, smollm2 elsewhere")
+    parser.add_argument("--repeat", type=int, default=None)
+    args = parser.parse_args()
+    backend = jax.default_backend()
+    shape = args.shape or ("13b" if backend == "gpu" else "smollm2")
+    num_heads, num_kv_heads, head_dim, dtype = SHAPES[shape]
+    repeat = args.repeat or (20 if backend == "gpu" else 3)
+    scale = 1.0 / head_dim ** 0.5
+    on_gpu = backend == "gpu"
+    impls = {
+        "xla": jax.jit(lambda *a: ragged_paged_attention_xla(*a, sm_scale=scale)),
+        "pallas" if on_gpu else "pallas-interpret":
+            lambda *a: ragged_paged_attention(*a, sm_scale=scale, interpret=not on_gpu),
+    }
+    reference = jax.jit(lambda *a: ragged_paged_attention_reference(*a, sm_scale=scale))
+    tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+    rows = []
+    for kind in ("decode", "prefill", "mixed"):
+        inputs = batch(kind, num_heads, num_kv_heads, head_dim, dtype)
+        want = np.asarray(reference(*inputs), np.float32)
+        for name, fn in impls.items():
+            got = np.asarray(fn(*inputs), np.float32)
+            error = float(np.abs(got - want).max())
+            seconds = timed(fn, inputs, repeat)
+            rows.append({"batch": kind, "impl": name, "ms": 1000 * seconds, "max_abs_error": error,
+                         "correct": error <= tolerance * max(1.0, float(np.abs(want).max()))})
+            print(f"{kind:8s} {name:17s} {1000 * seconds:9.2f} ms   max |error| {error:.2e}  "
+                  f"{'ok' if rows[-1]['correct'] else 'WRONG'}", flush=True)
+    out = RESULTS / f"attention_{backend}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"backend": backend, "jax": jax.__version__, "shape": shape,
+                               "dtype": str(jnp.dtype(dtype)), "rows": rows}, indent=2) + "\n")
+    print(f"saved {out}")
+
+
+if __name__ == "__main__":
+    main()
