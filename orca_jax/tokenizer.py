@@ -58,9 +58,6 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def token_text(self, token_id: int) -> str | None:
-        return self.hf.id_to_token(token_id)
-
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         """Renders `messages` ([{"role": ..., "content": ...}]) into prompt text."""
         if not messages:

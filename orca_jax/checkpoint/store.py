@@ -13,7 +13,6 @@ Flat dotted keys keep the files readable and independent of how NNX nests module
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 from pathlib import Path
@@ -159,7 +158,3 @@ def _check_shapes(got: dict[str, tuple], expected: dict[str, tuple], where: Path
         )
         raise CheckpointError(f"weights for {where} do not match its model config: {details}")
 
-
-def read_tokenizer_config(path: Path) -> dict:
-    file = path / "tokenizer_config.json"
-    return json.loads(file.read_text()) if file.is_file() else {}

@@ -11,23 +11,23 @@ TINY_LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=64)
 SMOLLM2_LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=128)
 
 
-@pytest.fixture(scope="session")
-def tiny_runner(tiny_trained):
+def warm_tiny_runner(tiny_trained, attention_impl):
     runner = ModelRunner(tiny_trained.model, num_pages=160, page_size=4, max_model_len=128,
-                         buckets=Buckets(tokens=(16, 64), seqs=(4, 8)), attention_impl="xla",
+                         buckets=Buckets(tokens=(16, 64), seqs=(4, 8)), attention_impl=attention_impl,
                          parallel=ParallelConfig())
     runner.warm_up(show_progress=False)
     return runner
+
+
+@pytest.fixture(scope="session")
+def tiny_runner(tiny_trained):
+    return warm_tiny_runner(tiny_trained, "xla")
 
 
 @pytest.fixture(scope="session")
 def tiny_pallas_runner(tiny_trained):
     """The same runner with the Pallas kernel, run in interpret mode (CPU)."""
-    runner = ModelRunner(tiny_trained.model, num_pages=160, page_size=4, max_model_len=128,
-                         buckets=Buckets(tokens=(16, 64), seqs=(4, 8)), attention_impl="pallas-interpret",
-                         parallel=ParallelConfig())
-    runner.warm_up(show_progress=False)
-    return runner
+    return warm_tiny_runner(tiny_trained, "pallas-interpret")
 
 
 @pytest.fixture(scope="session")

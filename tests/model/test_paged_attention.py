@@ -1,6 +1,5 @@
 """The model with the paged KV cache (XLA attention) against the full-sequence forward pass."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -1,6 +1,5 @@
 """The Pallas kernel (interpret mode on CPU) against the pure-jnp reference of the contract."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

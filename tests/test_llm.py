@@ -1,0 +1,52 @@
+"""The offline API as users call it: LLM(...).generate / .chat."""
+
+import pytest
+
+from orca_jax import LLM, SamplingParams
+from orca_jax.config import REPO_ROOT
+from orca_jax.engine.engine import RequestRejected
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    return LLM(REPO_ROOT / "checkpoints" / "tiny", max_num_seqs=4, max_num_batched_tokens=16,
+               token_buckets=[16], seq_buckets=[4], show_progress=False)
+
+
+def test_generate_keeps_input_order_and_accepts_text_or_ids(tiny_llm):
+    prompts = ["3 5", {"prompt_token_ids": [64, 10, 13]}, "60 61", "0 4", "1 2"]  # more than max_num_seqs
+    params = [SamplingParams(temperature=0, max_tokens=3)] * 4 + [SamplingParams(temperature=0, max_tokens=1)]
+    outputs = tiny_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].text.strip() for o in outputs] == ["7 9 11", "16 19 22", "62 63", "8 12 16", "3"]
+    assert outputs[1].prompt_token_ids == [64, 10, 13]
+    assert outputs[2].outputs[0].finish_reason == "stop"  # </s> after 63
+    assert outputs[0].outputs[0].finish_reason == "length"
+    for out in outputs:
+        m = out.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert tiny_llm.num_compilations_after_warmup == 0
+
+
+def test_a_bad_request_rejects_the_batch_before_anything_is_queued(tiny_llm):
+    with pytest.raises(RequestRejected, match="context length of 128"):
+        tiny_llm.generate(["3 5", "1 2"], [SamplingParams(max_tokens=3), SamplingParams(max_tokens=500)], use_tqdm=False)
+    assert not tiny_llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="2 prompts but 3 sampling params"):
+        tiny_llm.generate(["3 5", "1 2"], [SamplingParams()] * 3, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        tiny_llm.generate([{"text": "3 5"}], use_tqdm=False)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+
+
+def test_chat_and_text_with_smollm2(smollm2, smollm2_reference):
+    llm = LLM("smollm2-135m-instruct", max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[64],
+              seq_buckets=[4], kv_cache_memory=64 << 20, show_progress=False)
+    case = next(c for c in smollm2_reference["cases"] if c["kind"] == "chat")
+    params = SamplingParams(temperature=0, max_tokens=len(case["greedy_ids"]))
+    chat = llm.chat(case["messages"], params, use_tqdm=False)[0]
+    assert chat.outputs[0].token_ids == case["greedy_ids"]
+    assert chat.outputs[0].text == "The primary colors are: Red, Blue, and Yellow."
+    text_case = smollm2_reference["cases"][0]
+    out = llm.generate(text_case["prompt"], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert out.outputs[0].text == llm.get_tokenizer().decode(text_case["greedy_ids"][:5])
