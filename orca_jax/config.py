@@ -169,6 +169,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_literal(self, "attention_impl", typing.get_args(AttentionImpl))
+        _require(
+            not (self.cache.enable_prefix_caching and self.scheduler.policy == "static"),
+            "enable_prefix_caching needs a policy that admits requests every iteration "
+            "(orca, paged or chunked); 'static' would ignore it",
+        )
 
 
 def from_dict(cls: type, data: dict[str, Any], source: str) -> Any:

@@ -80,6 +80,8 @@ def test_invalid_model_values(change, message):
 
 
 def test_invalid_engine_values():
+    with pytest.raises(ConfigError, match="enable_prefix_caching"):
+        EngineConfig(cache=CacheConfig(enable_prefix_caching=True), scheduler=SchedulerConfig(policy="static"))
     with pytest.raises(ConfigError, match="choose one of"):
         SchedulerConfig(policy="fifo")
     with pytest.raises(ConfigError, match="max_num_batched_tokens"):

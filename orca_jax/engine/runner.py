@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 
 import jax
@@ -20,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Int
 from tqdm.auto import tqdm
 
-from orca_jax.config import REPO_ROOT
+from orca_jax.config import REPO_ROOT, ParallelConfig
 from orca_jax.engine.request import Request
 from orca_jax.engine.scheduler import SchedulerOutput
 from orca_jax.model.attention import AttentionMetadata
@@ -117,7 +118,7 @@ class ModelRunner:
         max_model_len: int,
         buckets: Buckets,
         attention_impl: str,
-        parallel,
+        parallel: ParallelConfig,
     ):
         enable_compilation_cache()
         config = model.config
@@ -159,10 +160,6 @@ class ModelRunner:
         self._warm_cache_size: int | None = None
         self.stats = RunnerStats()
 
-    @property
-    def kv_cache_bytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
-
     # ---- compilation ---------------------------------------------------------------------
     def warm_up(self, show_progress: bool = True) -> float:
         """Compiles (or loads from the persistent cache) every bucket; returns seconds taken."""
@@ -176,7 +173,7 @@ class ModelRunner:
         self.stats = RunnerStats()
         if show_progress:
             print(f"warm-up: {len(pairs)} buckets (tokens {list(self.buckets.tokens)} x seqs "
-                  f"{list(self.buckets.seqs)}) ready in {elapsed:.1f} s")
+                  f"{list(self.buckets.seqs)}) ready in {elapsed:.1f} s", file=sys.stderr)
         return elapsed
 
     @property
