@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             return _generate(args)
-        except (CheckpointError, ValueError) as e:
+        except (CheckpointError, ValueError) as e:  # ConfigError and RequestRejected are ValueErrors
             print(f"error: {e}", file=sys.stderr)
             return 2
     return 0
@@ -59,16 +59,17 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=DEFAULT_MODEL, help="preset name or checkpoint directory")
-    group.add_argument("--policy", default="chunked", choices=["static", "orca", "paged", "chunked"],
-                       help="scheduling policy")
-    group.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
-    group.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per forward pass")
-    group.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    group.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache")
-    group.add_argument("--enable-prefix-caching", action="store_true")
-    group.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas"])
+    """Engine flags. Each one left out falls back to --config's file, then to EngineConfig's default."""
+    group = parser.add_argument_group("engine (defaults: --config file, else configs/engine/default.toml values)")
+    group.add_argument("--config", type=Path, help="an EngineConfig TOML file, e.g. configs/engine/default.toml")
+    group.add_argument("--model", help=f"preset name or checkpoint directory (default {DEFAULT_MODEL})")
+    group.add_argument("--policy", choices=["static", "orca", "paged", "chunked"], help="scheduling policy")
+    group.add_argument("--max-num-seqs", type=int, help="requests running at once")
+    group.add_argument("--max-num-batched-tokens", type=int, help="tokens per forward pass")
+    group.add_argument("--page-size", type=int, help="tokens per KV page")
+    group.add_argument("--kv-cache-memory", type=int, help="bytes of KV cache")
+    group.add_argument("--enable-prefix-caching", action="store_true", default=None)
+    group.add_argument("--attention-impl", choices=["auto", "xla", "pallas"])
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -83,11 +84,23 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    """LLM(...) keyword arguments: flags over the --config file over the defaults."""
+    from orca_jax.config import EngineConfig, load_toml
+
+    base = load_toml(EngineConfig, args.config) if args.config else EngineConfig()
+
+    def pick(flag, configured):
+        return configured if flag is None else flag
+
     return dict(
-        scheduling_policy=args.policy, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
-        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
-        attention_impl=args.attention_impl,
+        model=pick(args.model, base.model),
+        scheduling_policy=pick(args.policy, base.scheduler.policy),
+        max_num_seqs=pick(args.max_num_seqs, base.scheduler.max_num_seqs),
+        max_num_batched_tokens=pick(args.max_num_batched_tokens, base.scheduler.max_num_batched_tokens),
+        page_size=pick(args.page_size, base.cache.page_size),
+        kv_cache_memory=pick(args.kv_cache_memory, base.cache.kv_cache_memory),
+        enable_prefix_caching=pick(args.enable_prefix_caching, base.cache.enable_prefix_caching),
+        attention_impl=pick(args.attention_impl, base.attention_impl),
     )
 
 
@@ -104,7 +117,8 @@ def _generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("error: no prompts given (pass them as arguments, with --file, or on stdin)", file=sys.stderr)
         return 2
-    llm = LLM(args.model, **engine_kwargs(args))
+    engine = engine_kwargs(args)
+    llm = LLM(engine.pop("model"), **engine)
     start = time.perf_counter()
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -115,7 +129,8 @@ def _generate(args: argparse.Namespace) -> int:
         print(f">>> {prompt}\n{output.outputs[0].text.strip()}")
     total = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(f"[{len(outputs)} requests, {total} tokens in {elapsed:.1f} s: {total / elapsed:.1f} tok/s; "
-          f"policy {args.policy}, compilations after warm-up: {llm.num_compilations_after_warmup}]", file=sys.stderr)
+          f"policy {llm.config.scheduler.policy}, compilations after warm-up: {llm.num_compilations_after_warmup}]",
+          file=sys.stderr)
     return 0
 
 
