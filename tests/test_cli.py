@@ -30,12 +30,12 @@ def test_missing_model_explains_the_fix(tmp_path):
 
 def test_engine_settings_from_a_config_file_and_flags_over_it(tmp_path):
     config = tmp_path / "engine.toml"
-    config.write_text(f'model = "{REPO_ROOT / "checkpoints" / "tiny"}"\\n[scheduler]\\npolicy = "orca"\\n'
-                      "max_num_seqs = 4\\nmax_num_batched_tokens = 16\\n")
+    config.write_text(f'model = "{REPO_ROOT / "checkpoints" / "tiny"}"\n[scheduler]\npolicy = "orca"\n'
+                      "max_num_seqs = 4\nmax_num_batched_tokens = 16\n")
     result = orca_jax("generate", "--config", str(config), "--policy", "paged", "--max-tokens", "3", "3 5")
     assert result.returncode == 0, result.stderr
-    assert ">>> 3 5\\n7 9 11\\n" in result.stdout
+    assert ">>> 3 5\n7 9 11\n" in result.stdout
     assert "policy paged" in result.stderr  # the flag wins over the file
-    config.write_text("bogus = 1\\n")
+    config.write_text("bogus = 1\n")
     result = orca_jax("generate", "--config", str(config), "3 5")
     assert result.returncode == 2 and "unknown key(s) ['bogus']" in result.stderr
