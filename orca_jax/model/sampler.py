@@ -95,8 +95,10 @@ def sample(logits: Float[Array, "S V"], m: SamplingMetadata) -> SamplerOutput:
     logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
 
     def top(raw):
-        values, ids = jax.lax.top_k(raw, MAX_LOGPROBS)
-        return ids.astype(jnp.int32), values
+        k = min(MAX_LOGPROBS, raw.shape[-1])  # a vocabulary smaller than the maximum N
+        values, ids = jax.lax.top_k(raw, k)
+        pad = ((0, 0), (0, MAX_LOGPROBS - k))
+        return jnp.pad(ids.astype(jnp.int32), pad), jnp.pad(values, pad, constant_values=NEG_INF)
 
     def no_top(raw):
         shape = (raw.shape[0], MAX_LOGPROBS)

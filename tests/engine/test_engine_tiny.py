@@ -131,16 +131,22 @@ def test_logprobs_n_and_seeds(tiny_runner, tiny_trained):
 def test_penalties_and_filters_change_sampling(tiny_runner, tiny_trained):
     engine = make_engine(tiny_runner, tiny_trained, "chunked", **TINY_LIMITS)
     prompt = counting_sequence(0, 1)[:3]
-    base, top1, penalised = run_all(engine, [
+    base, top1 = run_all(engine, [
         (prompt, SamplingParams(temperature=0, max_tokens=8)),
         (prompt, SamplingParams(temperature=50.0, top_k=1, max_tokens=8, seed=1)),  # top-k 1 = greedy
-        (prompt, SamplingParams(temperature=0, max_tokens=8, repetition_penalty=2.0, presence_penalty=2.0,
-                                frequency_penalty=2.0)),
     ])
     assert top1.outputs[0].token_ids == base.outputs[0].token_ids
     assert base.outputs[0].token_ids == list(range(2, 10))
-    # With the counting continuation unchanged, penalties only push away already-seen tokens.
-    assert len(penalised.outputs[0].token_ids) == 8
+    # Past the end of the count (ignore_eos) the model repeats </s>; penalties stop that.
+    end = [64, 60, 61]
+    plain, frequency, repetition = run_all(engine, [
+        (end, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)),
+        (end, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0)),
+        (end, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=5.0)),
+    ])
+    assert plain.outputs[0].token_ids.count(EOS) >= 3
+    assert frequency.outputs[0].token_ids.count(EOS) < plain.outputs[0].token_ids.count(EOS)
+    assert len(set(repetition.outputs[0].token_ids)) == 10  # nothing seen may come back
     hot = run_all(engine, [(prompt, SamplingParams(temperature=50.0, max_tokens=8, seed=s)) for s in range(4)])
     assert any(o.outputs[0].token_ids != base.outputs[0].token_ids for o in hot)  # high temperature explores
 
