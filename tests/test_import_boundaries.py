@@ -6,7 +6,11 @@ import sys
 
 import pytest
 
-NO_JAX_MODULES = ["orca_jax.config", "orca_jax.tokenizer", "orca_jax.cli"]
+NO_JAX_MODULES = [
+    "orca_jax.config", "orca_jax.tokenizer", "orca_jax.cli", "orca_jax.sampling_params", "orca_jax.outputs",
+    "orca_jax.engine.request", "orca_jax.engine.kv_manager", "orca_jax.engine.scheduler",
+    "orca_jax.engine.detokenizer", "orca_jax.engine.engine", "orca_jax.engine.async_engine",
+]
 
 BLOCK_JAX = """
 import sys

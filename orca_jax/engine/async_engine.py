@@ -1,0 +1,142 @@
+"""AsyncLLMEngine: the LLMEngine on its own thread, with per-request asyncio queues.
+
+How the threads meet:
+
+1. One engine thread owns the LLMEngine (and through it the runner and the device). Nothing else
+   touches them, so the engine needs no locks.
+2. The event loop (the server's handlers) never calls the engine directly. `generate()` puts an
+   "add" command on a thread-safe inbox and returns an async iterator over a fresh asyncio.Queue;
+   cancelling that iterator (a client that went away) puts an "abort" command on the inbox.
+3. The engine thread loops: drain the inbox (adds, aborts), run one `step()`, and hand each
+   RequestOutput to its request's queue with `loop.call_soon_threadsafe`. With nothing to do it
+   blocks on the inbox instead of spinning.
+4. A request the engine rejects (RequestRejected, a ValueError naming the limit) fails its own
+   iterator with that error. An exception inside a step fails the requests in flight (they are
+   aborted, their pages freed) with EngineStepError, and the thread keeps serving new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from orca_jax.engine.engine import LLMEngine
+from orca_jax.outputs import RequestOutput
+from orca_jax.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed while running a step that included this request."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    sink: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="orca-jax-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
+                       prompt: str | None = None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs as they grow; the last one has `finished` set. Leaving the
+        iteration early (cancellation, a closed connection) aborts the request."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        sink: asyncio.Queue = asyncio.Queue()
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, prompt, sink, asyncio.get_running_loop()))
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._inbox.put(_Abort(request_id))
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        self._inbox.put(_STOP)
+        self._thread.join(timeout)
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            # Block only when the engine is idle; otherwise just take what has arrived.
+            commands = [self._inbox.get()] if not self.engine.has_unfinished_requests() else []
+            while True:
+                try:
+                    commands.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for command in commands:
+                if command is _STOP:
+                    self._fail_all(EngineStepError("the engine is shutting down"))
+                    return
+                self._apply(command)
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as error:  # noqa: BLE001 - isolate the failure to this step's requests
+                log.exception("engine step failed")
+                self._fail_all(EngineStepError(f"engine step failed: {error}"))
+                continue
+            for output in outputs:
+                self._deliver(output.request_id, output)
+                if output.finished:
+                    self._sinks.pop(output.request_id, None)
+
+    def _apply(self, command) -> None:
+        if isinstance(command, _Abort):
+            self.engine.abort(command.request_id)
+            self._sinks.pop(command.request_id, None)
+            return
+        self._sinks[command.request_id] = (command.sink, command.loop)
+        try:
+            self.engine.add_request(command.prompt_token_ids, command.params, command.request_id, command.prompt)
+        except ValueError as error:
+            self._deliver(command.request_id, error)
+            self._sinks.pop(command.request_id, None)
+
+    def _fail_all(self, error: Exception) -> None:
+        """Aborts every request in flight and fails its iterator with `error`."""
+        for request_id in list(self._sinks):
+            self.engine.abort(request_id)
+            self._deliver(request_id, error)
+        self._sinks.clear()
+
+    def _deliver(self, request_id: str, item) -> None:
+        sink, loop = self._sinks.get(request_id, (None, None))
+        if sink is not None:
+            loop.call_soon_threadsafe(sink.put_nowait, item)
