@@ -138,8 +138,8 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         for i, planned in enumerate(out.scheduled):
-            if planned.request is victim:  # already planned this step: take it back
-                del out.scheduled[i]
+            if planned.request is victim:  # already planned this step: take it back (its share of
+                del out.scheduled[i]           # the token budget stays unused this step; rare and harmless)
                 break
         self.running.remove(victim)
         self.kv.free(victim)
