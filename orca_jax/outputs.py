@@ -22,9 +22,6 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort"; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string, if one ended it
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass
 class RequestMetrics:

@@ -5,6 +5,7 @@ Pure Python: the runner is the only part that touches jax.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.engine.detokenizer import IncrementalDetokenizer
 from orca_jax.engine.kv_manager import KVCacheManager
-from orca_jax.engine.request import Request, RequestStatus, RequestTimes
+from orca_jax.engine.request import Request, RequestStatus
 from orca_jax.engine.scheduler import Scheduler, SchedulerOutput
 from orca_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from orca_jax.sampling_params import MAX_STOP_IDS, SamplingParams
@@ -85,7 +86,7 @@ class LLMEngine:
             seed = params.seed + i if params.seed is not None else random.getrandbits(63)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             request = Request(child_id, list(prompt_token_ids), params, seed, self.model_config.eos_token_id,
-                              RequestTimes(arrival=arrival))
+                              RequestMetrics(arrival_time=arrival))
             detokenizer = None
             if self.tokenizer is not None:
                 detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
@@ -237,10 +238,6 @@ class LLMEngine:
                 finish_reason=r.status.value if r.finished else None,
                 stop_reason=r.stop_reason,
             ))
-            metrics.append(RequestMetrics(
-                arrival_time=r.times.arrival, first_scheduled_time=r.times.first_scheduled,
-                first_token_time=r.times.first_token, finished_time=r.times.finished,
-                num_preemptions=r.num_preemptions, num_cached_prompt_tokens=r.num_cached_prompt_tokens,
-            ))
+            metrics.append(dataclasses.replace(r.metrics))  # a snapshot: the engine keeps updating its own
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
                              group.finished, metrics[0], metrics)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from orca_jax.outputs import RequestMetrics
 from orca_jax.sampling_params import SamplingParams
 
 
@@ -21,29 +22,17 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass
-class RequestTimes:
-    arrival: float
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    finished: float | None = None
-
-
-@dataclass
 class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int  # the sampling seed actually used (params.seed, or one the engine drew)
     eos_token_id: int | None
-    times: RequestTimes
+    metrics: RequestMetrics  # times, preemptions and prefix-cache hits, as reported to the user
     output_token_ids: list[int] = field(default_factory=list)
-    # Top logprobs per generated token, as (ids, logprobs, sampled logprob); filled only if asked.
-    logprobs: list[tuple[list[int], list[float], float]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)  # KV page ids, in order
-    num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache at admission
-    num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token or stop string that ended it
 
     @property

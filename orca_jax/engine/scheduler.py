@@ -87,7 +87,7 @@ class Scheduler:
         itself, except under `static`, where a batch is released only when all its members are done."""
         assert status.finished
         request.status = status
-        request.times.finished = time.monotonic()
+        request.metrics.finished_time = time.monotonic()
         if request in self.waiting:
             self.waiting.remove(request)
             return [request]
@@ -130,7 +130,7 @@ class Scheduler:
         while not self.kv.allocate(request, target):
             if self.config.policy == "orca":
                 raise AssertionError("orca reserved every page at admission; allocation cannot fail")
-            victim = min(self.running, key=lambda r: (r.num_computed_tokens, -r.times.arrival))
+            victim = min(self.running, key=lambda r: (r.num_computed_tokens, -r.metrics.arrival_time))
             self._preempt(victim, out)
             if victim is request:
                 return False
@@ -145,11 +145,12 @@ class Scheduler:
         self.kv.free(victim)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
-        victim.num_preemptions += 1
+        victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(victim)
         # Back to the head of the queue, in arrival order among the preempted.
-        head = [r for r in self.waiting if r.num_preemptions > 0 and r.times.arrival < victim.times.arrival]
+        head = [r for r in self.waiting
+                if r.metrics.num_preemptions > 0 and r.metrics.arrival_time < victim.metrics.arrival_time]
         self.waiting.insert(len(head), victim)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
@@ -159,7 +160,7 @@ class Scheduler:
             cached = self.kv.match_prefix(request)
             request.num_computed_tokens = cached
             need = request.num_uncomputed_tokens
-            splittable = policy == "chunked" or request.num_preemptions > 0
+            splittable = policy == "chunked" or request.metrics.num_preemptions > 0
             num_new = min(need, budget) if splittable else need
             reserve = request.max_total_tokens if policy == "orca" else cached + num_new
             if num_new > budget or not self.kv.allocate(request, reserve):
@@ -167,7 +168,9 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            request.num_cached_prompt_tokens = max(request.num_cached_prompt_tokens, min(cached, len(request.prompt_token_ids)))
+            metrics = request.metrics
+            metrics.num_cached_prompt_tokens = max(metrics.num_cached_prompt_tokens,
+                                                   min(cached, len(request.prompt_token_ids)))
             self._start_running(request)
             budget -= num_new
             self._plan(out, request, num_new)
@@ -200,8 +203,8 @@ class Scheduler:
 
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
-        if request.times.first_scheduled is None:
-            request.times.first_scheduled = time.monotonic()
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = time.monotonic()
         self.running.append(request)
 
     def _plan(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
@@ -219,7 +222,7 @@ class Scheduler:
             self.kv.cache_full_pages(request, request.num_computed_tokens)
             if planned.samples:
                 request.output_token_ids.append(sampled[request.request_id])
-                if request.times.first_token is None:
-                    request.times.first_token = time.monotonic()
+                if request.metrics.first_token_time is None:
+                    request.metrics.first_token_time = time.monotonic()
                 advanced.append(request)
         return advanced

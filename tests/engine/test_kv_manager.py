@@ -4,14 +4,15 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from orca_jax.engine.kv_manager import KVCacheManager
-from orca_jax.engine.request import Request, RequestTimes
+from orca_jax.engine.request import Request
+from orca_jax.outputs import RequestMetrics
 from orca_jax.sampling_params import SamplingParams
 
 PAGE = 4
 
 
 def make_request(i: int, tokens: list[int]) -> Request:
-    return Request(str(i), list(tokens), SamplingParams(max_tokens=64), 0, None, RequestTimes(arrival=float(i)))
+    return Request(str(i), list(tokens), SamplingParams(max_tokens=64), 0, None, RequestMetrics(arrival_time=float(i)))
 
 
 class KVManagerMachine(RuleBasedStateMachine):

@@ -155,7 +155,7 @@ def test_preemption_victim_has_fewest_computed_tokens_and_returns_to_the_head():
     engine.add_request([3] * 3, SamplingParams(max_tokens=2))  # waits behind them
     while engine.scheduler.num_preemptions == 0:
         engine.step()
-    victim = [r for r in engine.scheduler.waiting if r.num_preemptions][0]
+    victim = [r for r in engine.scheduler.waiting if r.metrics.num_preemptions][0]
     assert victim.request_id == "1"
     assert engine.scheduler.waiting[0] is victim  # back at the head, before request 2
     assert victim.num_computed_tokens == 0 and victim.block_table == []
