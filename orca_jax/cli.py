@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from orca_jax.config import DEFAULT_MODEL
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "configs"
 MODEL_PRESET_DIR = CONFIG_DIR / "models"
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 Architecture = Literal["llama", "gpt2"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -161,7 +162,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "smollm2-135m-instruct"  # preset name or checkpoint directory
+    model: str = DEFAULT_MODEL  # preset name or checkpoint directory
     attention_impl: AttentionImpl = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Sequence, Union
 
-from orca_jax.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from orca_jax.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from orca_jax.engine.engine import LLMEngine, bytes_per_kv_page
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
@@ -24,7 +24,7 @@ PromptType = Union[str, dict]
 class LLM:
     def __init__(
         self,
-        model: str | Path = "smollm2-135m-instruct",
+        model: str | Path = DEFAULT_MODEL,
         *,
         scheduling_policy: str = "chunked",
         max_num_seqs: int = 32,
@@ -43,8 +43,8 @@ class LLM:
         """`model`: a preset name (pulled on first use if it has published weights) or a checkpoint
         directory. `kv_cache_memory`: bytes of KV cache. `token_buckets` / `seq_buckets` override the
         compiled step shapes (default: powers of two up to the limits)."""
-        from orca_jax.checkpoint.convert import PULL_SOURCES, pull
-        from orca_jax.checkpoint.store import load_model, resolve_checkpoint_dir
+        from orca_jax.checkpoint.convert import ensure_pulled
+        from orca_jax.checkpoint.store import load_model
         from orca_jax.engine.runner import Buckets, ModelRunner
 
         self.config = EngineConfig(
@@ -57,9 +57,7 @@ class LLM:
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                     pipeline_parallel_size=pipeline_parallel_size),
         )
-        if str(model) in PULL_SOURCES and not (resolve_checkpoint_dir(model) / "model.toml").is_file():
-            print(f"{model} is not pulled yet; pulling it now", file=sys.stderr)
-            pull(str(model), log=lambda m: print(m, file=sys.stderr))
+        ensure_pulled(model, log=lambda message: print(message, file=sys.stderr))
         loaded = load_model(model)
         model_config = loaded.config
         max_model_len = max_model_len or model_config.max_position

