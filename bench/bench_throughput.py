@@ -83,7 +83,7 @@ def decode_flops(llm: LLM, num_seqs: int, context: int) -> dict:
         slot_mapping=(tables[:, (context - 1) // runner.page_size] * runner.page_size + (context - 1) % runner.page_size),
         block_tables=tables, kv_lens=np.full(num_seqs, context, np.int32),
         logits_index=np.arange(num_seqs, dtype=np.int32))
-    _, sampling = runner._padding_batch(num_seqs, num_seqs)
+    sampling = runner._sampling_metadata([], num_seqs)
     seconds = timed(lambda: runner._run(inputs, sampling))
     step_flop = 2 * config.num_params() * num_seqs
     big = jnp.ones((1024, 1024), jnp.float32)

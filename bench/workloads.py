@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import random
-from pathlib import Path
 
 TEXT_MODULES = ["argparse", "asyncio", "collections", "csv", "dataclasses", "datetime", "decimal", "email",
                 "functools", "heapq", "inspect", "itertools", "json", "logging", "pathlib", "pickle", "random",
@@ -47,6 +45,3 @@ def mixed_workload(tokenizer, num_requests: int = 64, prompt_len: tuple[int, int
         requests.append(WorkloadRequest(corpus[start:start + n], rng.randint(*output_len)))
     return requests
 
-
-def save_jsonl(requests: list[WorkloadRequest], path: Path) -> None:
-    path.write_text("".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in requests))

@@ -116,11 +116,10 @@ class KVCacheManager:
 
     def _page_hashes(self, request: Request, num_pages: int) -> list[bytes]:
         hashes = self.page_hashes.setdefault(request.request_id, [])
-        tokens = request.all_token_ids
-        while len(hashes) < num_pages:
+        while len(hashes) < num_pages:  # hashes are cached per request: each page is hashed once
             i = len(hashes)
             parent = hashes[-1] if hashes else b""
-            page_tokens = array("q", tokens[i * self.page_size:(i + 1) * self.page_size]).tobytes()
+            page_tokens = array("q", request.token_ids_between(i * self.page_size, (i + 1) * self.page_size)).tobytes()
             hashes.append(hashlib.blake2b(parent + page_tokens, digest_size=16).digest())
         return hashes[:num_pages]
 

@@ -166,8 +166,7 @@ class ModelRunner:
         start = time.perf_counter()
         pairs = self.buckets.pairs()
         for tokens, seqs in tqdm(pairs, desc="compiling buckets", disable=not show_progress, leave=False):
-            inputs, sampling = self._padding_batch(tokens, seqs)
-            self._run(inputs, sampling)
+            self._run(self._padding_inputs(tokens, seqs), self._sampling_metadata([], seqs))
         elapsed = time.perf_counter() - start
         self._warm_cache_size = self._step._cache_size()
         self.stats = RunnerStats()
@@ -219,27 +218,20 @@ class ModelRunner:
     def _prepare(self, out: SchedulerOutput) -> tuple[StepInputs, SamplingMetadata]:
         # Static batches keep finished members as padding rows: they cost compute, as in FasterTransformer.
         num_tokens, num_seqs = self.buckets.pick(out.num_batched_tokens + out.num_padding_seqs, out.num_seqs)
-        token_ids = np.zeros(num_tokens, np.int32)
-        positions = np.zeros(num_tokens, np.int32)
-        segment_ids = np.full(num_tokens, num_seqs, np.int32)
-        slot_mapping = np.full(num_tokens, self.scratch_slot, np.int32)
-        block_tables = np.zeros((num_seqs, self.max_pages_per_seq), np.int32)
-        kv_lens = np.zeros(num_seqs, np.int32)
-        logits_index = np.zeros(num_seqs, np.int32)
+        inputs = self._padding_inputs(num_tokens, num_seqs)
         t = 0
         for row, planned in enumerate(out.scheduled):
             request, n, start = planned.request, planned.num_new_tokens, planned.start
             pos = np.arange(start, start + n, dtype=np.int32)
             table = np.asarray(request.block_table, np.int32)
-            token_ids[t:t + n] = request.all_token_ids[start:start + n]
-            positions[t:t + n] = pos
-            segment_ids[t:t + n] = row
-            slot_mapping[t:t + n] = table[pos // self.page_size] * self.page_size + pos % self.page_size
-            block_tables[row, :len(table)] = table
-            kv_lens[row] = start + n
-            logits_index[row] = t + n - 1
+            inputs.token_ids[t:t + n] = request.token_ids_between(start, start + n)
+            inputs.positions[t:t + n] = pos
+            inputs.segment_ids[t:t + n] = row
+            inputs.slot_mapping[t:t + n] = table[pos // self.page_size] * self.page_size + pos % self.page_size
+            inputs.block_tables[row, :len(table)] = table
+            inputs.kv_lens[row] = start + n
+            inputs.logits_index[row] = t + n - 1
             t += n
-        inputs = StepInputs(token_ids, positions, segment_ids, slot_mapping, block_tables, kv_lens, logits_index)
         return inputs, self._sampling_metadata([p.request for p in out.scheduled], num_seqs)
 
     def _sampling_metadata(self, requests: list[Request], num_seqs: int) -> SamplingMetadata:
@@ -296,9 +288,10 @@ class ModelRunner:
             )
         return self._zero_penalties[num_seqs]
 
-    def _padding_batch(self, num_tokens: int, num_seqs: int) -> tuple[StepInputs, SamplingMetadata]:
-        """An all-padding batch of one bucket's shape (warm-up): writes only to the scratch slot."""
-        inputs = StepInputs(
+    def _padding_inputs(self, num_tokens: int, num_seqs: int) -> StepInputs:
+        """Host arrays of one bucket's shape, all padding (tokens out of every segment, writing only
+        to the scratch slot). Warm-up runs them as they are; `_prepare` fills in the real rows."""
+        return StepInputs(
             token_ids=np.zeros(num_tokens, np.int32),
             positions=np.zeros(num_tokens, np.int32),
             segment_ids=np.full(num_tokens, num_seqs, np.int32),
@@ -307,4 +300,3 @@ class ModelRunner:
             kv_lens=np.zeros(num_seqs, np.int32),
             logits_index=np.zeros(num_seqs, np.int32),
         )
-        return inputs, self._sampling_metadata([], num_seqs)

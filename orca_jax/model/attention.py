@@ -41,10 +41,6 @@ class AttentionMetadata:
     kv_lens: Int[Array, " S"] | None = None  # cached tokens per sequence after this call's writes
     attention_impl: str = dataclasses.field(default="xla", metadata=dict(static=True))
 
-    @property
-    def paged(self) -> bool:
-        return self.slot_mapping is not None
-
 
 def attend(
     q: Float[Array, "T H Dh"],

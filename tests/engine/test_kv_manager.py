@@ -113,6 +113,14 @@ def test_cached_pages_survive_their_owner_and_are_evicted_last():
     assert kv.match_prefix(third) == 8
 
 
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=12), st.lists(st.integers(0, 9), max_size=12),
+       st.integers(0, 24), st.integers(0, 24))
+def test_token_ids_between_slices_prompt_plus_outputs(prompt, outputs, start, end):
+    request = make_request(0, prompt)
+    request.output_token_ids = list(outputs)
+    assert request.token_ids_between(start, end) == (prompt + outputs)[start:end]
+
+
 def test_caching_off_shares_nothing():
     kv = KVCacheManager(num_pages=8, page_size=PAGE, enable_prefix_caching=False)
     first = make_request(0, list(range(8)))
