@@ -1,8 +1,9 @@
-"""The `orca-jax` command line: pull, convert, generate."""
+"""The `orca-jax` command line: serve, generate, pull, convert."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -30,7 +31,28 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(generate)
     add_sampling_args(generate)
 
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer <key>' on /v1/* (default: $ORCA_JAX_API_KEY, else none)")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    serve.add_argument("--max-queued-requests", type=int, default=256,
+                       help="sequences that may wait beyond the running batch; more get a fast 503")
+    serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
+    add_engine_args(serve)
+
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        from orca_jax.checkpoint.store import CheckpointError
+
+        try:
+            return _serve(args)
+        except (CheckpointError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if args.command == "pull":
         from orca_jax.checkpoint.convert import pull as pull_model
 
@@ -132,6 +154,33 @@ def _generate(args: argparse.Namespace) -> int:
           f"policy {llm.config.scheduler.policy}, compilations after warm-up: {llm.num_compilations_after_warmup}]",
           file=sys.stderr)
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from orca_jax.server.app import API_KEY_ENV, ServerSettings
+    from orca_jax.server.serve import serve
+
+    # Our own progress at INFO; the libraries' (absl, orbax) chatter only from WARNING up.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        force=True)
+    logging.getLogger("orca_jax").setLevel(logging.INFO)
+    engine = engine_kwargs(args)
+    settings = ServerSettings(
+        model_name=args.served_model_name or str(engine["model"]),
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes)
+
+    def build_engine():
+        from orca_jax import LLM
+        from orca_jax.engine.async_engine import AsyncLLMEngine
+
+        llm = LLM(engine.pop("model"), **engine)
+        return AsyncLLMEngine(llm.engine)
+
+    return asyncio.run(serve(settings, build_engine, args.host, args.port, shutdown_timeout=args.shutdown_timeout))
 
 
 if __name__ == "__main__":

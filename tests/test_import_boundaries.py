@@ -10,6 +10,8 @@ NO_JAX_MODULES = [
     "orca_jax.config", "orca_jax.tokenizer", "orca_jax.cli", "orca_jax.sampling_params", "orca_jax.outputs",
     "orca_jax.engine.request", "orca_jax.engine.kv_manager", "orca_jax.engine.scheduler",
     "orca_jax.engine.detokenizer", "orca_jax.engine.engine", "orca_jax.engine.async_engine",
+    "orca_jax.server.protocol", "orca_jax.server.responses", "orca_jax.server.metrics", "orca_jax.server.app",
+    "orca_jax.server.handlers", "orca_jax.server.serve",
 ]
 
 BLOCK_JAX = """

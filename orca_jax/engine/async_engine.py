@@ -10,7 +10,10 @@ How the threads meet:
 3. The engine thread loops: drain the inbox (adds, aborts), run one `step()`, and hand each
    RequestOutput to its request's queue with `loop.call_soon_threadsafe`. With nothing to do it
    blocks on the inbox instead of spinning.
-4. A request the engine rejects (RequestRejected, a ValueError naming the limit) fails its own
+4. After every step the engine thread publishes an EngineStats snapshot (a new frozen object, so a
+   reader on another thread never sees it half-written) and calls `step_listener`, if any, with
+   it: that is how /metrics sees the scheduler without touching it.
+5. A request the engine rejects (RequestRejected, a ValueError naming the limit) fails its own
    iterator with that error. An exception inside a step fails the requests in flight (they are
    aborted, their pages freed) with EngineStepError, and the thread keeps serving new ones.
 """
@@ -23,7 +26,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.outputs import RequestOutput
@@ -42,6 +45,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None
+    arrival_time: float | None
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
 
@@ -51,12 +55,26 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV pages in use
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    last_step_num_tokens: int = 0  # tokens computed by the latest iteration
+    compilations_after_warmup: int = 0
+
+
 _STOP = object()
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, step_listener: Callable[[EngineStats], None] | None = None):
         self.engine = engine
+        self.step_listener = step_listener
+        self.stats = self._snapshot()
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._ids = itertools.count()
@@ -64,12 +82,15 @@ class AsyncLLMEngine:
         self._thread.start()
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                       prompt: str | None = None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None = None, request_id: str | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs as they grow; the last one has `finished` set. Leaving the
-        iteration early (cancellation, a closed connection) aborts the request."""
+        iteration early (cancellation, a closed connection) aborts the request. `arrival_time`
+        (time.monotonic) defaults to when the engine thread picks the request up."""
         request_id = request_id or f"req-{next(self._ids)}"
         sink: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, prompt, sink, asyncio.get_running_loop()))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, prompt, arrival_time, sink,
+                              asyncio.get_running_loop()))
         finished = False
         try:
             while True:
@@ -116,6 +137,23 @@ class AsyncLLMEngine:
                 self._deliver(output.request_id, output)
                 if output.finished:
                     self._sinks.pop(output.request_id, None)
+            self._publish()
+
+    def _snapshot(self) -> EngineStats:
+        engine, scheduler = self.engine, self.engine.scheduler
+        return EngineStats(
+            num_running=scheduler.num_running, num_waiting=len(scheduler.waiting), kv_usage=engine.kv.usage,
+            num_preemptions=scheduler.num_preemptions, num_steps=engine.num_steps,
+            num_generated_tokens=engine.num_generated_tokens, last_step_num_tokens=engine.last_step_num_tokens,
+            compilations_after_warmup=getattr(engine.runner, "num_compilations_after_warmup", 0))
+
+    def _publish(self) -> None:
+        self.stats = self._snapshot()
+        if self.step_listener is not None:
+            try:
+                self.step_listener(self.stats)
+            except Exception:  # noqa: BLE001 - a broken listener must not stop the engine
+                log.exception("step listener failed")
 
     def _apply(self, command) -> None:
         if isinstance(command, _Abort):
@@ -124,7 +162,8 @@ class AsyncLLMEngine:
             return
         self._sinks[command.request_id] = (command.sink, command.loop)
         try:
-            self.engine.add_request(command.prompt_token_ids, command.params, command.request_id, command.prompt)
+            self.engine.add_request(command.prompt_token_ids, command.params, command.request_id, command.prompt,
+                                    command.arrival_time)
         except ValueError as error:
             self._deliver(command.request_id, error)
             self._sinks.pop(command.request_id, None)

@@ -71,6 +71,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.last_step_num_tokens = 0  # tokens computed by the latest step (prompt chunks and decodes)
         self.step_time_s = 0.0  # wall time inside step(), host work and device work together
 
     # ---- requests ------------------------------------------------------------------------
@@ -177,6 +178,7 @@ class LLMEngine:
         if not plan.empty:
             sampled = self.runner.execute(plan)
             self.num_steps += 1
+            self.last_step_num_tokens = plan.num_batched_tokens
             advanced = self.scheduler.update_after_step(plan, {rid: s.token for rid, s in sampled.items()})
             self.num_generated_tokens += len(advanced)
         for request in advanced:

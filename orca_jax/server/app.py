@@ -1,0 +1,153 @@
+"""The aiohttp application: server state, middlewares (errors, auth) and routes. No jax.
+
+`create_app(state)` builds the app; `serve.py` runs it on a port. The state starts without an
+engine (the server listens while the model loads and compiles, answering /health with 503) and
+gets one from `ServerState.set_engine` once warm-up is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from orca_jax.engine.async_engine import AsyncLLMEngine
+from orca_jax.server.metrics import ServerMetrics
+from orca_jax.server.protocol import APIError, invalid
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "ORCA_JAX_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str  # the id clients put in "model"
+    api_key: str | None = None  # None: no auth
+    max_queued_requests: int = 256  # sequences allowed to wait beyond the running batch
+    max_request_bytes: int = 1 << 20
+    retry_after_s: int = 1  # what a 503 tells the client to wait
+
+
+class ServerState:
+    def __init__(self, settings: ServerSettings):
+        self.settings = settings
+        self.engine: AsyncLLMEngine | None = None
+        self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine is not None else None)
+        self.draining = False
+        self.num_in_flight = 0  # sequences admitted and not yet finished
+        self.handler_tasks: set[asyncio.Task] = set()
+
+    def set_engine(self, engine: AsyncLLMEngine) -> None:
+        engine.step_listener = self.metrics.on_step
+        self.engine = engine
+
+    @property
+    def capacity(self) -> int:
+        """Sequences the server holds at once: the running batch plus the bounded waiting queue."""
+        return self.engine.engine.config.scheduler.max_num_seqs + self.settings.max_queued_requests
+
+    def unavailable(self, message: str) -> APIError:
+        return APIError(503, message, type="service_unavailable", code="service_unavailable",
+                        headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    def require_engine(self) -> AsyncLLMEngine:
+        if self.draining:
+            raise self.unavailable("the server is shutting down; retry against another replica")
+        if self.engine is None:
+            raise self.unavailable("the model is still loading and compiling; retry shortly (see GET /health)")
+        return self.engine
+
+    @contextlib.contextmanager
+    def admitted(self, num_sequences: int):
+        """Holds `num_sequences` places for the request's lifetime, or refuses it at once (fast 503)."""
+        if self.num_in_flight + num_sequences > self.capacity:
+            raise self.unavailable(
+                f"the server is at capacity ({self.num_in_flight} sequences running or queued, limit "
+                f"{self.capacity}); retry after {self.settings.retry_after_s} s")
+        self.num_in_flight += num_sequences
+        try:
+            yield
+        finally:
+            self.num_in_flight -= num_sequences
+
+
+STATE = web.AppKey("state", ServerState)
+
+
+def error_response(error: APIError) -> web.Response:
+    return web.json_response(error.body(), status=error.status, headers=error.headers)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    """Every failure leaves as OpenAI-style JSON, including aiohttp's own 404/405/413."""
+    state = request.app[STATE]
+    task = asyncio.current_task()
+    state.handler_tasks.add(task)
+    try:
+        return await handler(request)
+    except APIError as error:
+        return error_response(error)
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        kind = "not_found_error" if error.status == 404 else "invalid_request_error"
+        message = f"{error.reason}: {request.method} {request.path}"
+        if error.status == 413:
+            message = (f"the request body is larger than this server's limit of "
+                       f"{state.settings.max_request_bytes} bytes (--max-request-bytes)")
+        return error_response(APIError(error.status, message, type=kind))
+    except Exception as error:  # noqa: BLE001 - one request's bug must not look like a dead server
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(APIError(500, f"internal error: {error}", type="server_error"))
+    finally:
+        state.handler_tasks.discard(task)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    """With an API key set, /v1/* needs `Authorization: Bearer <key>`; /health and /metrics stay open
+    for load balancers and Prometheus."""
+    key = request.app[STATE].settings.api_key
+    if key and request.path.startswith("/v1/"):
+        given = request.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "missing or incorrect API key; send 'Authorization: Bearer <key>'",
+                           type="invalid_request_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+    return await handler(request)
+
+
+async def read_json(request: web.Request) -> object:
+    """The body as JSON: 413 past the size limit, 400 for non-UTF-8 or malformed JSON."""
+    raw = await request.read()  # aiohttp raises 413 past client_max_size
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise invalid(f"the request body is not valid UTF-8 (byte {error.start}); send JSON in UTF-8") from error
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise invalid(f"the request body is not valid JSON: {error}") from error
+
+
+def create_app(state: ServerState) -> web.Application:
+    from orca_jax.server import handlers
+
+    app = web.Application(middlewares=[errors_middleware, auth_middleware],
+                          client_max_size=state.settings.max_request_bytes)
+    app[STATE] = state
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_get("/v1/models", handlers.list_models)
+    app.router.add_get("/v1/models/{model:.+}", handlers.retrieve_model)
+    app.router.add_get("/health", handlers.health)
+    app.router.add_get("/metrics", handlers.metrics)
+    return app

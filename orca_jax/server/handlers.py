@@ -1,0 +1,292 @@
+"""The OpenAI-compatible endpoints. No jax.
+
+Each handler: parse the body into a typed request (protocol.py), tokenize and validate against the
+engine's limits (so a bad request is a 400 before any stream starts), hold places in the bounded
+queue, then stream or collect the engine's outputs into OpenAI bodies (responses.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import AsyncIterator
+
+from aiohttp import web
+
+from orca_jax.engine.async_engine import AsyncLLMEngine, EngineStepError
+from orca_jax.outputs import RequestOutput
+from orca_jax.sampling_params import SamplingParams
+from orca_jax.server import responses
+from orca_jax.server.app import STATE, ServerState, read_json
+from orca_jax.server.protocol import APIError, invalid, parse_chat, parse_completion
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# ---- plain endpoints ---------------------------------------------------------------------------
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.draining:
+        return web.json_response({"status": "shutting down"}, status=503)
+    if state.engine is None:
+        return web.json_response({"status": "warming up"}, status=503,
+                                 headers={"Retry-After": str(state.settings.retry_after_s)})
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    from orca_jax.server.metrics import CONTENT_TYPE
+
+    return web.Response(body=request.app[STATE].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def _model_card(state: ServerState) -> dict:
+    card = {"id": state.settings.model_name, "object": "model", "created": 0, "owned_by": "orca_jax"}
+    if state.engine is not None:
+        card["max_model_len"] = state.engine.engine.max_model_len
+    return card
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    _check_model(state, request.match_info["model"])
+    return web.json_response(_model_card(state))
+
+
+def _check_model(state: ServerState, model: str | None) -> str:
+    name = state.settings.model_name
+    if model is not None and model != name:
+        raise APIError(404, f"the model '{model}' does not exist on this server; it serves '{name}' "
+                            "(GET /v1/models)", type="not_found_error", param="model", code="model_not_found")
+    return name
+
+
+# ---- generation ----------------------------------------------------------------------------------
+async def completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()
+    state = request.app[STATE]
+    req = parse_completion(await read_json(request))
+    engine = state.require_engine()
+    model = _check_model(state, req.model)
+    prompts = [_tokenize(engine, p) for p in req.prompts]
+    for _, ids in prompts:
+        _validate(engine, ids, req.params)
+    n = req.params.n
+    prompt_tokens = sum(len(ids) for _, ids in prompts)
+    with state.admitted(len(prompts) * n):
+        state.metrics.prompt_tokens.inc(prompt_tokens)
+        outputs = _generate_all(state, engine, prompts, req.params, arrival)
+        async with contextlib.aclosing(outputs):
+            response_id = responses.new_id("cmpl")
+            echo = [(text if text is not None else _decode(engine, ids)) if req.echo else "" for text, ids in prompts]
+            if req.stream:
+                chunks = _completion_chunks(outputs, req, response_id, model, echo, prompt_tokens)
+                return await _send_events(request, chunks)
+            finals = await _collect(outputs, len(prompts))
+    choices, completion_tokens = [], 0
+    for i, final in enumerate(finals):
+        for c in final.outputs:
+            completion_tokens += len(c.token_ids)
+            logprobs = None if c.logprobs is None else responses.completion_logprobs(c.token_ids, c.logprobs, len(echo[i]))
+            choices.append({"index": i * n + c.index, "text": echo[i] + c.text, "logprobs": logprobs,
+                            "finish_reason": c.finish_reason})
+    body = responses.envelope(response_id, "text_completion", model, choices,
+                              responses.usage(prompt_tokens, completion_tokens))
+    return web.json_response(body)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()
+    state = request.app[STATE]
+    req = parse_chat(await read_json(request))
+    engine = state.require_engine()
+    model = _check_model(state, req.model)
+    tokenizer = engine.engine.tokenizer
+    if tokenizer is None:
+        raise invalid("this model has no tokenizer, so no chat template; use /v1/completions with token ids")
+    ids = tokenizer.encode(tokenizer.apply_chat_template(req.messages))
+    params = req.params
+    if not req.max_tokens_given:  # OpenAI's default: whatever room the context leaves
+        room = min(engine.engine.max_model_len, engine.engine.kv.num_pages * engine.engine.kv.page_size) - len(ids)
+        params = params.clone(max_tokens=max(room, 1, params.min_tokens))
+    _validate(engine, ids, params)
+    with state.admitted(params.n):
+        state.metrics.prompt_tokens.inc(len(ids))
+        outputs = _generate_all(state, engine, [(None, ids)], params, arrival)
+        async with contextlib.aclosing(outputs):
+            response_id = responses.new_id("chatcmpl")
+            if req.stream:
+                chunks = _chat_chunks(outputs, req, params, response_id, model, len(ids))
+                return await _send_events(request, chunks)
+            (final,) = await _collect(outputs, 1)
+    choices = []
+    for c in final.outputs:
+        logprobs = None if c.logprobs is None else responses.chat_logprobs(c.token_ids, c.logprobs)
+        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": logprobs, "finish_reason": c.finish_reason})
+    completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+    body = responses.envelope(response_id, "chat.completion", model, choices,
+                              responses.usage(len(ids), completion_tokens))
+    return web.json_response(body)
+
+
+def _tokenize(engine: AsyncLLMEngine, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    if isinstance(prompt, list):
+        return None, prompt
+    tokenizer = engine.engine.tokenizer
+    if tokenizer is None:
+        raise invalid("this model has no tokenizer; send the prompt as a list of token ids", "prompt")
+    try:
+        return prompt, tokenizer.encode(prompt)
+    except Exception as error:  # noqa: BLE001 - the tokenizer's own message says what it could not encode
+        raise invalid(f"the prompt could not be tokenized: {error}", "prompt") from error
+
+
+def _decode(engine: AsyncLLMEngine, ids: list[int]) -> str:
+    tokenizer = engine.engine.tokenizer
+    return "" if tokenizer is None else tokenizer.decode(ids)
+
+
+def _validate(engine: AsyncLLMEngine, ids: list[int], params: SamplingParams) -> None:
+    try:
+        engine.engine.validate(ids, params)
+    except ValueError as error:  # RequestRejected: the message names the limit
+        raise APIError(400, str(error), code="context_length_exceeded" if "context length" in str(error) else None)
+
+
+async def _generate_all(state: ServerState, engine: AsyncLLMEngine, prompts: list[tuple[str | None, list[int]]],
+                        params: SamplingParams, arrival: float) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Runs every prompt at once and yields (prompt index, output) as they come. Closing this
+    generator (the client left) cancels the per-prompt tasks, which aborts their requests."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, text: str | None, ids: list[int]) -> None:
+        try:
+            async for output in engine.generate(ids, params, prompt=text, arrival_time=arrival):
+                queue.put_nowait((i, output))
+        except Exception as error:  # noqa: BLE001 - handed to the handler below
+            queue.put_nowait((i, error))
+
+    tasks = [asyncio.create_task(pump(i, text, ids)) for i, (text, ids) in enumerate(prompts)]
+    last_token = {}  # (prompt, sample) -> (tokens seen, time of the latest)
+    remaining = len(prompts)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, EngineStepError):
+                state.metrics.requests.labels("error").inc()
+                raise APIError(500, str(item), type="server_error")
+            if isinstance(item, Exception):
+                raise APIError(400, str(item))
+            _observe_tokens(state, item, i, last_token)
+            if item.finished:
+                remaining -= 1
+                for c, m in zip(item.outputs, item.per_sample_metrics):
+                    state.metrics.on_finished(m, c.finish_reason or "abort")
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _observe_tokens(state: ServerState, output: RequestOutput, i: int, last_token: dict) -> None:
+    """Inter-token latency: the gap since a sample's previous tokens, spread over the new ones."""
+    now = time.monotonic()
+    for c in output.outputs:
+        seen, then = last_token.get((i, c.index), (0, None))
+        new = len(c.token_ids) - seen
+        if new > 0:
+            if then is not None:
+                for _ in range(new):
+                    state.metrics.inter_token_latency.observe((now - then) / new)
+            last_token[(i, c.index)] = (len(c.token_ids), now)
+
+
+async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], count: int) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * count
+    async for i, output in outputs:
+        if output.finished:
+            finals[i] = output
+    return finals
+
+
+async def _send_events(request: web.Request, chunks: AsyncIterator[dict]) -> web.StreamResponse:
+    """Server-sent events: `data: <json>` per chunk, then `data: [DONE]`. A failure mid-stream is sent
+    as an error event (the status line has already gone out as 200)."""
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    first = await anext(chunks, None)  # a failure before the first chunk still gets a proper status
+    await response.prepare(request)
+    try:
+        while first is not None:
+            await response.write(f"data: {json.dumps(first)}\n\n".encode())
+            first = await anext(chunks, None)
+    except APIError as error:
+        await response.write(f"data: {json.dumps(error.body())}\n\n".encode())
+    except ConnectionResetError:  # the client left; closing `chunks` (the caller's aclosing) aborts it
+        return response
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def _completion_chunks(outputs, req, response_id: str, model: str, echo: list[str],
+                             prompt_tokens: int) -> AsyncIterator[dict]:
+    n = req.params.n
+    deltas: dict[int, responses.ChoiceDeltas] = {}
+    completion_tokens = 0
+    async for i, output in outputs:
+        for c in output.outputs:
+            index = i * n + c.index
+            first = index not in deltas
+            delta = deltas.setdefault(index, responses.ChoiceDeltas(req.params.stop)).advance(c)
+            if delta is None:
+                continue
+            text, tokens, entries, finish_reason = delta
+            completion_tokens += len(tokens)
+            prefix = echo[i] if first else ""
+            logprobs = None
+            if entries is not None:
+                offset = len(echo[i]) + deltas[index].text_sent - len(text)  # where this delta starts
+                logprobs = responses.completion_logprobs(tokens, entries, offset)
+            choice = {"index": index, "text": prefix + text, "logprobs": logprobs, "finish_reason": finish_reason}
+            yield responses.envelope(response_id, "text_completion", model, [choice],
+                                     with_usage_field=req.include_usage)
+    if req.include_usage:
+        yield responses.envelope(response_id, "text_completion", model, [],
+                                 responses.usage(prompt_tokens, completion_tokens))
+
+
+async def _chat_chunks(outputs, req, params: SamplingParams, response_id: str, model: str,
+                       prompt_tokens: int) -> AsyncIterator[dict]:
+    deltas = [responses.ChoiceDeltas(params.stop) for _ in range(params.n)]
+
+    def chunk(index: int, delta: dict, logprobs=None, finish_reason=None) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return responses.envelope(response_id, "chat.completion.chunk", model, [choice],
+                                  with_usage_field=req.include_usage)
+
+    for index in range(params.n):  # the role comes first, before any content
+        yield chunk(index, {"role": "assistant", "content": ""})
+    completion_tokens = 0
+    async for _, output in outputs:
+        for c in output.outputs:
+            delta = deltas[c.index].advance(c)
+            if delta is None:
+                continue
+            text, tokens, entries, finish_reason = delta
+            completion_tokens += len(tokens)
+            if text or entries:
+                logprobs = None if entries is None else responses.chat_logprobs(tokens, entries)
+                yield chunk(c.index, {"content": text}, logprobs)
+            if finish_reason is not None:
+                yield chunk(c.index, {}, finish_reason=finish_reason)
+    if req.include_usage:
+        yield responses.envelope(response_id, "chat.completion.chunk", model, [],
+                                 responses.usage(prompt_tokens, completion_tokens))

@@ -1,0 +1,284 @@
+"""The OpenAI request schema, parsed into typed requests. No jax, no aiohttp.
+
+Every field of OpenAI's documented request bodies is known here, in one of three sets:
+honoured (it changes what we do), accepted (harmless metadata we ignore, like `user`), or
+unsupported (like `tools`: a 400 that says so, unless the client sent it empty or null). vLLM's
+sampling extensions are honoured too. Anything else is a 400 naming the field, so a typo such as
+`max_token` never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from orca_jax.sampling_params import MAX_LOGPROBS, SamplingParams
+
+# vLLM's extensions: benchmarks need fixed output lengths, users need the samplers llama.cpp has.
+SAMPLING_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
+                       "skip_special_tokens", "include_stop_str_in_output"}
+COMMON_HONOURED = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
+                   "stream_options", "stop", "presence_penalty", "frequency_penalty", "seed", "logit_bias"}
+
+COMPLETION_HONOURED = COMMON_HONOURED | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+COMPLETION_ACCEPTED = {"user"}
+COMPLETION_UNSUPPORTED: set[str] = set()
+
+CHAT_HONOURED = COMMON_HONOURED | {"messages", "logprobs", "top_logprobs", "response_format", "modalities",
+                                   "tool_choice", "function_call", "store"}
+CHAT_ACCEPTED = {"user", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                 "safety_identifier"}
+CHAT_UNSUPPORTED = {"tools", "functions", "audio", "prediction", "web_search_options", "reasoning_effort",
+                    "verbosity"}
+
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+MAX_N = 16  # samples per prompt; each one is a sequence in the batch
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+@dataclass
+class CompletionRequest:
+    model: str | None
+    prompts: list[str | list[int]]  # each a text or token ids; a choice per (prompt, sample)
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    echo: bool
+
+
+@dataclass
+class ChatRequest:
+    model: str | None
+    messages: list[dict]  # {"role", "content"} with content flattened to a string
+    params: SamplingParams
+    max_tokens_given: bool  # if not, the handler fills max_tokens with the rest of the context
+    stream: bool
+    include_usage: bool
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    body = _object(body)
+    _check_fields(body, COMPLETION_HONOURED, COMPLETION_ACCEPTED, COMPLETION_UNSUPPORTED, "/v1/completions")
+    if _get(body, "suffix", str, "") != "":
+        raise invalid("'suffix' (insertion) is not supported by this server; leave it out", "suffix")
+    logprobs = _get(body, "logprobs", int)
+    echo = _get(body, "echo", bool, False)
+    if echo and logprobs is not None:
+        raise invalid("'echo' with 'logprobs' would need prompt logprobs, which this server does not compute; "
+                      "drop one of them", "echo")
+    params = _sampling_params(body, logprobs, max_tokens_default=16)
+    best_of = _get(body, "best_of", int)
+    if best_of is not None and best_of != params.n:
+        raise invalid(f"best_of={best_of} differs from n={params.n}; this server returns every sample, so "
+                      "best_of must be left out or equal n", "best_of")
+    stream, include_usage = _stream(body)
+    return CompletionRequest(_model(body), _prompts(body), params, stream, include_usage, echo)
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    body = _object(body)
+    _check_fields(body, CHAT_HONOURED, CHAT_ACCEPTED, CHAT_UNSUPPORTED, "/v1/chat/completions")
+    for field, allowed in (("tool_choice", "none"), ("function_call", "none")):
+        if body.get(field) not in (None, allowed):
+            raise invalid(f"'{field}' is not supported by this server (no tool calling); leave it out", field)
+    if body.get("store"):
+        raise invalid("'store' is not supported: this server keeps no completions; leave it out or false", "store")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise invalid("only response_format {\"type\": \"text\"} is supported (no JSON mode or schemas)",
+                      "response_format")
+    if body.get("modalities") not in (None, ["text"]):
+        raise invalid("only the 'text' modality is supported", "modalities")
+    top_logprobs = None
+    if _get(body, "logprobs", bool, False):
+        top_logprobs = _get(body, "top_logprobs", int, 0)
+    elif body.get("top_logprobs") is not None:
+        raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    max_tokens_given = _max_tokens(body) is not None
+    params = _sampling_params(body, top_logprobs, max_tokens_default=None)
+    stream, include_usage = _stream(body)
+    return ChatRequest(_model(body), _messages(body), params, max_tokens_given, stream, include_usage)
+
+
+# ---- pieces --------------------------------------------------------------------------------
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise invalid(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _check_fields(body: dict, honoured: set, accepted: set, unsupported: set, endpoint: str) -> None:
+    for field in sorted(body):
+        if field in unsupported:
+            if body[field] not in (None, [], {}):
+                raise invalid(f"'{field}' is not supported by this server; leave it out", field)
+        elif field not in honoured | accepted | SAMPLING_EXTENSIONS:
+            raise invalid(f"unknown field '{field}' for {endpoint}; see the OpenAI API reference for the "
+                          "fields it takes", field)
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list: "a list",
+               dict: "an object"}
+
+
+def _get(body: dict, field: str, kind: type, default: Any = None) -> Any:
+    """The field's value checked against `kind` (null means absent). JSON has no int/float split,
+    so a float field takes integers; booleans are never numbers."""
+    value = body.get(field)
+    if value is None:
+        return default
+    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok:
+        raise invalid(f"'{field}' must be {_TYPE_NAMES[kind]}, got {json_type(value)}", field)
+    return value
+
+
+def json_type(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+             dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _model(body: dict) -> str | None:
+    return _get(body, "model", str)
+
+
+def _max_tokens(body: dict) -> int | None:
+    # max_completion_tokens is OpenAI's newer name; a client may send both, the new one wins.
+    value = _get(body, "max_completion_tokens", int)
+    return value if value is not None else _get(body, "max_tokens", int)
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = _get(body, "stream", bool, False)
+    options = _get(body, "stream_options", dict)
+    if options is None:
+        return stream, False
+    if not stream:
+        raise invalid("'stream_options' is only allowed with 'stream': true", "stream_options")
+    unknown = set(options) - {"include_usage", "continuous_usage_stats"}
+    if unknown:
+        raise invalid(f"unknown stream_options {sorted(unknown)}; this server knows 'include_usage'", "stream_options")
+    return stream, _get(options, "include_usage", bool, False)
+
+
+def _sampling_params(body: dict, logprobs: int | None, max_tokens_default: int | None) -> SamplingParams:
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise invalid(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", "logprobs")
+    if body.get("logit_bias") not in (None, {}):
+        raise invalid("'logit_bias' is not supported by this server; leave it out", "logit_bias")
+    n = _get(body, "n", int, 1)
+    if n > MAX_N:
+        raise invalid(f"n={n} is above this server's maximum of {MAX_N} samples per prompt", "n")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+        raise invalid("'stop' must be a non-empty string or a list of them", "stop")
+    stop_token_ids = _get(body, "stop_token_ids", list, [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
+        raise invalid("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    max_tokens = _max_tokens(body)
+    min_tokens = _get(body, "min_tokens", int, 0)
+    kwargs = dict(
+        n=n, temperature=_get(body, "temperature", float, 1.0), top_p=_get(body, "top_p", float, 1.0),
+        top_k=_get(body, "top_k", int, 0), min_p=_get(body, "min_p", float, 0.0),
+        repetition_penalty=_get(body, "repetition_penalty", float, 1.0),
+        presence_penalty=_get(body, "presence_penalty", float, 0.0),
+        frequency_penalty=_get(body, "frequency_penalty", float, 0.0),
+        seed=_get(body, "seed", int),
+        max_tokens=max_tokens if max_tokens is not None else (max_tokens_default or max(min_tokens, 1)),
+        min_tokens=min_tokens, stop=stop, stop_token_ids=stop_token_ids,
+        ignore_eos=_get(body, "ignore_eos", bool, False), logprobs=logprobs,
+        skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
+        include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
+    )
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as error:  # its messages start with the field's name
+        message = str(error)
+        field = message.split()[0]
+        if field == "max_tokens" and body.get("max_completion_tokens") is not None:
+            field = "max_completion_tokens"
+        raise invalid(message, field if field in body else None) from error
+
+
+def _prompts(body: dict) -> list[str | list[int]]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise invalid("'prompt' is required: a string, a list of token ids, or a list of either", "prompt")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_list(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise invalid("'prompt' must be a non-empty string, a list of token ids, or a non-empty list of either",
+                      "prompt")
+    if any(len(p) == 0 for p in prompts):
+        raise invalid("a prompt is empty; give at least one character or token", "prompt")
+    return prompts
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_token(t) for t in value)
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("'messages' must be a non-empty list of {\"role\", \"content\"} objects", "messages")
+    flattened = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise invalid(f"messages[{i}] must be an object, got {json_type(message)}", "messages")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise invalid(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}", "messages")
+        flattened.append({"role": "system" if role == "developer" else role,
+                          "content": _content_text(message.get("content"), i)})
+    return flattened
+
+
+def _content_text(content: Any, i: int) -> str:
+    """A message's content: a string, or a list of text parts (joined). Images and audio are refused."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else json_type(part)
+                raise invalid(f"messages[{i}].content has a part of type {kind!r}; this server takes text parts "
+                              "only", "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(f"messages[{i}].content must be a string or a list of text parts, got {json_type(content)}",
+                  "messages")

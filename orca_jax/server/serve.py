@@ -1,0 +1,112 @@
+"""Running the server: listen at once, build the engine on a thread, drain on SIGTERM/SIGINT. No jax.
+
+The order matters to operators: the port answers from the first second (GET /health says 503
+"warming up" while the model loads and compiles), and a stop signal drains rather than drops:
+
+1. stop accepting connections and answer new requests on open ones with 503;
+2. wait up to `shutdown_timeout` seconds for the requests in flight to finish;
+3. cancel whatever is left (each cancelled request is aborted in the engine, its pages freed);
+4. stop the engine thread and return 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import time
+from typing import Callable
+
+from aiohttp import web
+
+from orca_jax.engine.async_engine import AsyncLLMEngine
+from orca_jax.server.app import ServerSettings, ServerState, create_app
+
+log = logging.getLogger("orca_jax.server")
+
+
+async def serve(settings: ServerSettings, engine_factory: Callable[[], AsyncLLMEngine], host: str, port: int, *,
+                shutdown_timeout: float = 30.0, stop: asyncio.Event | None = None,
+                on_listening: Callable[[ServerState, list], None] | None = None,
+                install_signal_handlers: bool = True) -> int:
+    """Serves until `stop` is set (or a signal arrives); returns the process exit code."""
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    state = ServerState(settings)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
+    runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    if install_signal_handlers:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    log.info("listening on %s; loading %s", ", ".join(f"http://{a[0]}:{a[1]}" for a in runner.addresses),
+             settings.model_name)
+    if on_listening is not None:
+        on_listening(state, runner.addresses)
+
+    exit_code = 0
+    loaded = _build_on_thread(engine_factory)
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({loaded, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if loaded.done():
+        try:
+            state.set_engine(loaded.result())
+            log.info("ready: serving %s", settings.model_name)
+        except Exception:  # noqa: BLE001 - reported, then the server exits non-zero
+            log.exception("could not load the model; shutting down")
+            exit_code = 1
+            stop.set()
+        await stopping
+
+    await _drain(state, site, shutdown_timeout)
+    await runner.cleanup()
+    if state.engine is not None:
+        state.engine.shutdown(timeout=shutdown_timeout)
+    log.info("stopped")
+    return exit_code
+
+
+def _build_on_thread(engine_factory: Callable[[], AsyncLLMEngine]) -> asyncio.Future:
+    """The engine is built (loaded, compiled) on a daemon thread, so a stop during warm-up does not
+    wait for it."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def build() -> None:
+        try:
+            engine = engine_factory()
+        except BaseException as error:  # noqa: BLE001 - handed to the event loop
+            loop.call_soon_threadsafe(_settle, future, None, error)
+        else:
+            loop.call_soon_threadsafe(_settle, future, engine, None)
+
+    threading.Thread(target=build, name="orca-jax-warm-up", daemon=True).start()
+    return future
+
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+async def _drain(state: ServerState, site: web.TCPSite, timeout: float) -> None:
+    state.draining = True
+    await site.stop()  # no new connections; open ones get 503 from now on
+    in_flight = len(state.handler_tasks)
+    log.info("draining: %d request(s) in flight, waiting up to %.0f s", in_flight, timeout)
+    deadline = time.monotonic() + timeout
+    while state.handler_tasks and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    left = list(state.handler_tasks)
+    for task in left:
+        task.cancel()
+    if left:
+        log.info("cancelled %d request(s) still running after %.0f s", len(left), timeout)
+        await asyncio.gather(*left, return_exceptions=True)
