@@ -1,0 +1,291 @@
+"""A step-by-step simulation of the scheduling policies, written from their rules (DESIGN.md and
+orca_jax/engine/scheduler.py), on request lengths alone. Pure Python: no jax, no engine import.
+
+It predicts, for a workload of (prompt_len, max_tokens) requests that all arrive at once and each
+generate exactly max_tokens tokens (ignore_eos), the engine's iterations and the composition of
+every one (tokens, sequences, static's padding rows). The tests hold it to the real engine's
+`num_steps`, step by step. Its scope:
+
+- prefix caching is not modelled (hits depend on token content, not lengths): simulate engines that
+  run with it off, or workloads whose prompts share no full page;
+- the KV cache is modelled as a count of free pages: without prefix caching, which page a request
+  gets never changes a decision, only how many are free (so preemption under KV pressure is exact);
+- ties between preemption victims with equal computed tokens go to the latest arrival, as in the
+  engine when requests are added one after another.
+
+Combined with a measured step-time model (seconds per step as a function of its padded shape), the
+simulated steps give a predicted wall time per policy, hence the throughput ratio the benchmark
+should reach; `ideal_ratio` gives the iteration-count ratio from the workload alone.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+POLICIES = ("static", "orca", "paged", "chunked")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    policy: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    page_size: int
+    num_pages: int
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r}; choose one of {POLICIES}")
+
+
+@dataclass
+class SimStep:
+    num_tokens: int  # tokens computed (prefill chunks + one per decode)
+    num_seqs: int  # sequences scheduled
+    num_padding_seqs: int  # static: finished members still occupying a batch row
+    num_decodes: int  # scheduled sequences computing a single already-sampled token
+    max_context: int  # longest cached context (tokens) of a scheduled sequence before this step
+
+    @property
+    def padded_num_tokens(self) -> int:
+        """Tokens the runner computes before bucket padding: static's padding rows carry one each."""
+        return self.num_tokens + self.num_padding_seqs
+
+    @property
+    def padded_num_seqs(self) -> int:
+        return self.num_seqs + self.num_padding_seqs
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    steps: list[SimStep]
+    num_preemptions: int
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+
+@dataclass(eq=False)  # identity semantics: requests are found in lists with `is` / `remove`
+class _Req:
+    index: int  # arrival order
+    prompt_len: int
+    max_tokens: int
+    generated: int = 0
+    computed: int = 0  # tokens whose K/V are in the cache
+    pages: int = 0
+    preemptions: int = 0
+    running: bool = False
+    finished: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + self.generated
+
+    @property
+    def uncomputed(self) -> int:
+        return self.num_tokens - self.computed
+
+
+class _Simulator:
+    def __init__(self, lengths: list[tuple[int, int]], config: SimConfig):
+        self.config = config
+        self.waiting = [_Req(i, p, o) for i, (p, o) in enumerate(lengths)]
+        self.running: list[_Req] = []
+        self.free_pages = config.num_pages
+        self.num_preemptions = 0
+        self.steps: list[SimStep] = []
+
+    # ---- KV pages (counts only) -------------------------------------------------------------
+    def allocate(self, r: _Req, num_tokens: int) -> bool:
+        need = max(0, -(-num_tokens // self.config.page_size) - r.pages)
+        if need > self.free_pages:
+            return False
+        self.free_pages -= need
+        r.pages += need
+        return True
+
+    def free(self, r: _Req) -> None:
+        self.free_pages += r.pages
+        r.pages = 0
+
+    # ---- one iteration: a plan of (request, num_new_tokens) -----------------------------------
+    def schedule(self) -> tuple[list[tuple[_Req, int]], int]:
+        if self.config.policy == "static":
+            return self.schedule_static()
+        plan: list[tuple[_Req, int]] = []
+        budget = self.config.max_num_batched_tokens
+        running = list(self.running)
+        if self.config.policy == "chunked":  # decodes first, then unfinished prefill chunks
+            running.sort(key=lambda r: r.uncomputed > 1)
+        preempted = False
+        for r in running:
+            if not r.running or budget == 0:
+                continue
+            num_new = min(r.uncomputed, budget)
+            scheduled = True
+            while not self.allocate(r, r.computed + num_new):
+                assert self.config.policy != "orca", "orca reserves every page at admission"
+                victim = min(self.running, key=lambda v: (v.computed, -v.index))
+                plan = [(q, n) for q, n in plan if q is not victim]  # its budget share stays spent
+                self.preempt(victim)
+                preempted = True
+                if victim is r:
+                    scheduled = False
+                    break
+            if scheduled:
+                budget -= num_new
+                plan.append((r, num_new))
+        if not preempted:
+            self.admit(plan, budget)
+        return plan, 0
+
+    def preempt(self, victim: _Req) -> None:
+        self.running.remove(victim)
+        self.free(victim)
+        victim.computed = 0
+        victim.running = False
+        victim.preemptions += 1
+        self.num_preemptions += 1
+        # Head of the queue, after earlier-arriving preempted requests already there.
+        position = sum(1 for w in self.waiting if w.preemptions > 0 and w.index < victim.index)
+        self.waiting.insert(position, victim)
+
+    def admit(self, plan: list[tuple[_Req, int]], budget: int) -> None:
+        policy = self.config.policy
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            r = self.waiting[0]
+            splittable = policy == "chunked" or r.preemptions > 0
+            num_new = min(r.uncomputed, budget) if splittable else r.uncomputed
+            reserve = r.prompt_len + r.max_tokens if policy == "orca" else num_new
+            if num_new > budget or not self.allocate(r, reserve):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.pop(0)
+            r.running = True
+            self.running.append(r)
+            budget -= num_new
+            plan.append((r, num_new))
+
+    def schedule_static(self) -> tuple[list[tuple[_Req, int]], int]:
+        if not self.running:  # admit a batch, reserving prompt + max_tokens for each member
+            while self.waiting and len(self.running) < self.config.max_num_seqs:
+                r = self.waiting[0]
+                if not self.allocate(r, r.prompt_len + r.max_tokens):
+                    break
+                self.waiting.pop(0)
+                r.running = True
+                self.running.append(r)
+        unprefilled = [r for r in self.running if r.computed == 0 and not r.finished]
+        if unprefilled:  # whole prompts, as many per step as the token budget holds
+            plan, budget = [], self.config.max_num_batched_tokens
+            for r in unprefilled:
+                if r.uncomputed > budget:
+                    break
+                budget -= r.uncomputed
+                plan.append((r, r.uncomputed))
+            return plan, 0
+        plan = [(r, r.uncomputed) for r in self.running if not r.finished]
+        return plan, len(self.running) - len(plan)
+
+    # ---- after the step ----------------------------------------------------------------------
+    def run(self) -> SimResult:
+        while self.waiting or any(not r.finished for r in self.running):
+            plan, padding = self.schedule()
+            if not plan:
+                continue  # a step that only preempted: the engine runs nothing and counts nothing
+            self.steps.append(SimStep(
+                num_tokens=sum(n for _, n in plan), num_seqs=len(plan), num_padding_seqs=padding,
+                num_decodes=sum(1 for r, n in plan if n == 1 and r.computed >= r.prompt_len),
+                max_context=max(r.computed for r, _ in plan)))
+            for r, num_new in plan:
+                samples = r.computed + num_new == r.num_tokens
+                r.computed += num_new
+                if samples:
+                    r.generated += 1
+                    if r.generated == r.max_tokens:
+                        self.finish(r)
+            assert len(self.steps) < 1_000_000, "the simulation does not terminate"
+        return SimResult(self.config, self.steps, self.num_preemptions)
+
+    def finish(self, r: _Req) -> None:
+        r.finished = True
+        if self.config.policy == "static":
+            if all(m.finished for m in self.running):  # the batch is released as a whole
+                for m in self.running:
+                    self.free(m)
+                self.running = []
+            return
+        self.running.remove(r)
+        self.free(r)
+
+
+def simulate(lengths: list[tuple[int, int]], config: SimConfig) -> SimResult:
+    """Steps of the engine under `config` for requests of (prompt_len, max_tokens), all queued at
+    once in this order. Raises ValueError for a request the engine would reject."""
+    capacity = config.num_pages * config.page_size
+    for i, (prompt_len, max_tokens) in enumerate(lengths):
+        if prompt_len < 1 or max_tokens < 1:
+            raise ValueError(f"request {i}: need prompt_len >= 1 and max_tokens >= 1")
+        if prompt_len + max_tokens > capacity:
+            raise ValueError(f"request {i}: {prompt_len + max_tokens} tokens exceed the KV cache ({capacity})")
+        if config.policy != "chunked" and prompt_len > config.max_num_batched_tokens:
+            raise ValueError(f"request {i}: prompt of {prompt_len} tokens exceeds the token budget")
+    return _Simulator(lengths, config).run()
+
+
+def ideal_ratio(lengths: list[tuple[int, int]], max_num_seqs: int, max_num_batched_tokens: int) -> dict:
+    """Iterations of request-level (static) vs iteration-level (orca) scheduling at the same batch
+    size, with a KV cache large enough never to bind: the gain that comes from the workload alone."""
+    page_size = 16
+    pages = sum(-(-(p + o) // page_size) for p, o in lengths)
+    static = simulate(lengths, SimConfig("static", max_num_seqs, max_num_batched_tokens, page_size, pages))
+    orca = simulate(lengths, SimConfig("orca", max_num_seqs, max_num_batched_tokens, page_size, pages))
+    return {"static_steps": static.num_steps, "orca_steps": orca.num_steps,
+            "step_ratio": static.num_steps / orca.num_steps}
+
+
+# ---- step-time model and predicted wall time -------------------------------------------------
+
+@dataclass
+class StepTimeModel:
+    """Seconds per step from measurements on the runner's buckets.
+
+    A step of T tokens and S sequences runs the compiled shape (T_bucket, S_bucket) -- the smallest
+    buckets holding it -- so its cost is that bucket's, plus the attention over cached context,
+    which the XLA attention loops over in blocks as far as the step's longest context:
+        seconds = base[(T_bucket, S_bucket)] + context_s_per_token_row * max_context * S_bucket
+    `base` is measured with no context; the context term is fitted from decode steps at two
+    context lengths (see bench_scheduling.measure_step_times)."""
+
+    token_buckets: list[int]
+    seq_buckets: list[int]
+    base: dict[tuple[int, int], float]
+    context_s_per_token_row: float = 0.0
+
+    def bucket(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        t = self.token_buckets[bisect.bisect_left(self.token_buckets, num_tokens)]
+        s = self.seq_buckets[bisect.bisect_left(self.seq_buckets, num_seqs)]
+        return t, s
+
+    def step_seconds(self, step: SimStep) -> float:
+        t, s = self.bucket(step.padded_num_tokens, step.padded_num_seqs)
+        return self.base[(t, s)] + self.context_s_per_token_row * step.max_context * s
+
+    def to_json(self) -> dict:
+        return {"token_buckets": self.token_buckets, "seq_buckets": self.seq_buckets,
+                "base_ms": {f"{t}x{s}": 1000 * v for (t, s), v in sorted(self.base.items())},
+                "context_us_per_token_row": 1e6 * self.context_s_per_token_row}
+
+
+def predicted_wall_s(result: SimResult, model: StepTimeModel) -> float:
+    return sum(model.step_seconds(step) for step in result.steps)
+
+
+def occupancy(result: SimResult) -> dict:
+    """Mean real sequences per step and static's padding rows (decode slots spent on finished members)."""
+    steps = result.steps
+    return {"mean_seqs_per_step": sum(s.num_seqs for s in steps) / len(steps),
+            "mean_tokens_per_step": sum(s.num_tokens for s in steps) / len(steps),
+            "padding_seq_slots": sum(s.num_padding_seqs for s in steps)}
