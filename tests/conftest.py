@@ -41,3 +41,38 @@ def tiny_trained():
     from orca_jax.checkpoint.store import load_model
 
     return load_model(REPO_ROOT / "checkpoints" / "tiny")
+
+
+# Runners are compiled once per session and shared by engine and server tests.
+def warm_tiny_runner(tiny_trained, attention_impl):
+    from orca_jax.config import ParallelConfig
+    from orca_jax.engine.runner import Buckets, ModelRunner
+
+    runner = ModelRunner(tiny_trained.model, num_pages=160, page_size=4, max_model_len=128,
+                         buckets=Buckets(tokens=(16, 64), seqs=(4, 8)), attention_impl=attention_impl,
+                         parallel=ParallelConfig())
+    runner.warm_up(show_progress=False)
+    return runner
+
+
+@pytest.fixture(scope="session")
+def tiny_runner(tiny_trained):
+    return warm_tiny_runner(tiny_trained, "xla")
+
+
+@pytest.fixture(scope="session")
+def tiny_pallas_runner(tiny_trained):
+    """The same runner with the Pallas kernel, run in interpret mode (CPU)."""
+    return warm_tiny_runner(tiny_trained, "pallas-interpret")
+
+
+@pytest.fixture(scope="session")
+def smollm2_runner(smollm2):
+    from orca_jax.config import ParallelConfig
+    from orca_jax.engine.runner import Buckets, ModelRunner
+
+    runner = ModelRunner(smollm2.model, num_pages=96, page_size=16, max_model_len=2048,
+                         buckets=Buckets(tokens=(32, 128), seqs=(8,)), attention_impl="xla",
+                         parallel=ParallelConfig())
+    runner.warm_up(show_progress=False)
+    return runner

@@ -9,6 +9,7 @@ sampling extensions are honoured too. Anything else is a 400 naming the field, s
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,10 +144,8 @@ def _get(body: dict, field: str, kind: type, default: Any = None) -> Any:
     value = body.get(field)
     if value is None:
         return default
-    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
-    if kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok:
+    accepted = (int, float) if kind is float else kind
+    if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
         raise invalid(f"'{field}' must be {_TYPE_NAMES[kind]}, got {json_type(value)}", field)
     return value
 
@@ -217,7 +216,7 @@ def _sampling_params(body: dict, logprobs: int | None, max_tokens_default: int |
         return SamplingParams(**kwargs)
     except ValueError as error:  # its messages start with the field's name
         message = str(error)
-        field = message.split()[0]
+        field = re.match(r"[a-z_]*", message).group()
         if field == "max_tokens" and body.get("max_completion_tokens") is not None:
             field = "max_completion_tokens"
         raise invalid(message, field if field in body else None) from error
