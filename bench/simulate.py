@@ -41,15 +41,21 @@ class SimConfig:
 
 @dataclass
 class SimStep:
-    num_tokens: int  # tokens computed (prefill chunks + one per decode)
-    num_seqs: int  # sequences scheduled
-    num_padding_seqs: int  # static: finished members still occupying a batch row
-    num_decodes: int  # scheduled sequences computing a single already-sampled token
-    max_context: int  # longest cached context (tokens) of a scheduled sequence before this step
+    chunks: tuple[tuple[int, int], ...]  # (start, num_new) of each scheduled sequence, in the plan's order
+    num_padding_seqs: int = 0  # static: finished members still occupying a batch row
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed: prefill chunks plus one per decode."""
+        return sum(n for _, n in self.chunks)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.chunks)
 
     @property
     def padded_num_tokens(self) -> int:
-        """Tokens the runner computes before bucket padding: static's padding rows carry one each."""
+        """Tokens the runner lays out before bucket padding: static's padding rows carry one each."""
         return self.num_tokens + self.num_padding_seqs
 
     @property
@@ -195,10 +201,7 @@ class _Simulator:
             plan, padding = self.schedule()
             if not plan:
                 continue  # a step that only preempted: the engine runs nothing and counts nothing
-            self.steps.append(SimStep(
-                num_tokens=sum(n for _, n in plan), num_seqs=len(plan), num_padding_seqs=padding,
-                num_decodes=sum(1 for r, n in plan if n == 1 and r.computed >= r.prompt_len),
-                max_context=max(r.computed for r, _ in plan)))
+            self.steps.append(SimStep(tuple((r.computed, n) for r, n in plan), padding))
             for r, num_new in plan:
                 samples = r.computed + num_new == r.num_tokens
                 r.computed += num_new
@@ -250,19 +253,22 @@ def ideal_ratio(lengths: list[tuple[int, int]], max_num_seqs: int, max_num_batch
 
 @dataclass
 class StepTimeModel:
-    """Seconds per step from measurements on the runner's buckets.
+    """Seconds per step, from measurements of the runner on this machine.
 
-    A step of T tokens and S sequences runs the compiled shape (T_bucket, S_bucket) -- the smallest
-    buckets holding it -- so its cost is that bucket's, plus the attention over cached context,
-    which the XLA attention loops over in blocks as far as the step's longest context:
-        seconds = base[(T_bucket, S_bucket)] + context_s_per_token_row * max_context * S_bucket
-    `base` is measured with no context; the context term is fitted from decode steps at two
-    context lengths (see bench_scheduling.measure_step_times)."""
+    A step of T tokens and S sequences runs the compiled shape (T_bucket, S_bucket), the smallest
+    buckets holding it, so it costs that shape's `base` (measured with nothing cached), plus the
+    attention over cached context. The XLA attention reads context in blocks of `block_tokens`, in
+    two row groups -- the first S_bucket token rows (decodes come first) and the rest -- each
+    looping as far as the longest context among its tokens; each block costs every row of the group:
+        seconds = base[(T_bucket, S_bucket)]
+                  + s_per_row_block * (rows_1 * blocks(ctx_1) + rows_2 * blocks(ctx_2))
+    where a token's context is what its sequence had cached before the step."""
 
     token_buckets: list[int]
     seq_buckets: list[int]
     base: dict[tuple[int, int], float]
-    context_s_per_token_row: float = 0.0
+    block_tokens: int
+    s_per_row_block: float = 0.0
 
     def bucket(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         t = self.token_buckets[bisect.bisect_left(self.token_buckets, num_tokens)]
@@ -271,12 +277,24 @@ class StepTimeModel:
 
     def step_seconds(self, step: SimStep) -> float:
         t, s = self.bucket(step.padded_num_tokens, step.padded_num_seqs)
-        return self.base[(t, s)] + self.context_s_per_token_row * step.max_context * s
+        split = min(s, t)
+        context = [0, 0]  # longest context among the tokens of each row group
+        position = 0
+        for start, n in step.chunks:
+            if position < split:
+                context[0] = max(context[0], start)
+            if position + n > split:
+                context[1] = max(context[1], start)
+            position += n
+        if split == t:
+            context = [max(context), 0]
+        blocks = [-(-c // self.block_tokens) for c in context]
+        return self.base[(t, s)] + self.s_per_row_block * (split * blocks[0] + (t - split) * blocks[1])
 
     def to_json(self) -> dict:
         return {"token_buckets": self.token_buckets, "seq_buckets": self.seq_buckets,
                 "base_ms": {f"{t}x{s}": 1000 * v for (t, s), v in sorted(self.base.items())},
-                "context_us_per_token_row": 1e6 * self.context_s_per_token_row}
+                "block_tokens": self.block_tokens, "us_per_row_block": 1e6 * self.s_per_row_block}
 
 
 def predicted_wall_s(result: SimResult, model: StepTimeModel) -> float:

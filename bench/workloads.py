@@ -55,6 +55,7 @@ class WorkloadSpec:
     output_dist: str = "zipf"
     output_len: tuple[int, int] = (8, 128)  # generated tokens (max_tokens; run with ignore_eos to get exactly these)
     zipf_alpha: float = 1.0  # power-law exponent of the `zipf` distribution; smaller = heavier tail
+    shared_prefix: int = 0  # tokens every prompt starts with (a system prompt), counted in its length
     arrival: str = "all"
     rate: float = 4.0  # requests/s, for poisson and gamma arrivals
     cv: float = 2.0  # gamma arrivals: coefficient of variation of the gaps (1 = Poisson)
@@ -70,6 +71,8 @@ class WorkloadSpec:
                 raise ValueError(f"{name}={getattr(self, name)}; need 1 <= lo <= hi")
         if self.arrival not in ARRIVAL_PROCESSES:
             raise ValueError(f"arrival={self.arrival!r}; choose one of {ARRIVAL_PROCESSES}")
+        if not 0 <= self.shared_prefix < self.prompt_len[0]:
+            raise ValueError(f"shared_prefix={self.shared_prefix} must be below the shortest prompt ({self.prompt_len[0]})")
         if self.num_requests < 1 or self.rate <= 0 or self.cv <= 0 or self.zipf_alpha <= 0:
             raise ValueError("need num_requests >= 1 and rate, cv, zipf_alpha > 0")
 
@@ -132,16 +135,19 @@ def corpus_token_ids(tokenizer) -> list[int]:
 
 
 def build_workload(tokenizer, spec: WorkloadSpec) -> list[WorkloadRequest]:
-    """The requests of `spec`: each prompt a random cut of the corpus of exactly the sampled length,
-    with its text (decoded from those ids) for clients that send text."""
+    """The requests of `spec`: each prompt the shared prefix (if any) then a random cut of the corpus,
+    of exactly the sampled length, with its text (decoded from those ids) for clients that send text."""
     corpus = corpus_token_ids(tokenizer)
     rng = random.Random(f"prompts-{spec.seed}")
+    if spec.prompt_len[1] >= len(corpus):
+        raise ValueError(f"prompts of up to {spec.prompt_len[1]} tokens need a longer corpus ({len(corpus)} tokens)")
+    prefix_start = rng.randrange(0, len(corpus) - spec.shared_prefix)
+    prefix = corpus[prefix_start:prefix_start + spec.shared_prefix]
     requests = []
     for (prompt_len, max_tokens), arrival in zip(sample_lengths(spec), sample_arrivals(spec)):
-        if prompt_len >= len(corpus):
-            raise ValueError(f"a prompt of {prompt_len} tokens is longer than the corpus ({len(corpus)} tokens)")
-        start = rng.randrange(0, len(corpus) - prompt_len)
-        ids = corpus[start:start + prompt_len]
+        n = prompt_len - len(prefix)
+        start = rng.randrange(0, len(corpus) - n)
+        ids = prefix + corpus[start:start + n]
         requests.append(WorkloadRequest(ids, max_tokens, arrival, tokenizer.decode(ids)))
     return requests
 

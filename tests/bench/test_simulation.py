@@ -75,7 +75,7 @@ def test_the_regimes_exercise_preemption_chunking_and_static_padding():
     for policy in ("paged", "chunked"):
         assert simulate(lengths, SimConfig(policy, *REGIMES["kv-pressure"])).num_preemptions > 0
     chunked = simulate(lengths_for(0, "small-budget"), SimConfig("chunked", *REGIMES["small-budget"]))
-    assert any(1 < s.num_tokens and s.num_decodes < s.num_seqs for s in chunked.steps)
+    assert any(start > 0 and n > 1 for s in chunked.steps for start, n in s.chunks)  # a prompt's later chunk
     static = simulate(lengths, SimConfig("static", *REGIMES["ample"]))
     assert sum(s.num_padding_seqs for s in static.steps) > 0
 
@@ -119,14 +119,17 @@ def test_ideal_ratio_favours_iteration_level_only_when_lengths_differ():
     assert skewed_ratio["step_ratio"] > 2
 
 
-def test_step_time_model_prices_the_bucket_a_step_runs_in():
+def test_step_time_model_prices_the_bucket_and_the_context_a_step_runs_with():
     model = StepTimeModel(token_buckets=[16, 64], seq_buckets=[4, 8],
                           base={(16, 4): 1.0, (64, 4): 3.0, (64, 8): 4.0, (16, 8): 2.0},
-                          context_s_per_token_row=0.001)
-    assert model.step_seconds(SimStep(3, 3, 0, 3, 0)) == 1.0
-    assert model.step_seconds(SimStep(17, 2, 0, 1, 0)) == 3.0
-    # Static's padding rows take a token and a row each: 10 + 6 tokens fits 16; 5 rows need 8.
-    assert model.step_seconds(SimStep(10, 2, 3, 2, 0)) == 2.0
-    assert model.step_seconds(SimStep(4, 4, 0, 4, 100)) == pytest.approx(1.0 + 0.001 * 100 * 4)
+                          block_tokens=10, s_per_row_block=0.001)
+    assert model.step_seconds(SimStep(((0, 3),))) == 1.0  # a fresh prompt: nothing cached
+    assert model.step_seconds(SimStep(((0, 17), (5, 1)))) == 3.0 + 0.001 * 60 * 1  # 5 cached tokens, in row group 2 (60 rows)
+    # Static's padding rows take a token and a row each: 2 decodes + 3 padding rows need 8 rows.
+    assert model.step_seconds(SimStep(((40, 1), (9, 1)), num_padding_seqs=3)) == 2.0 + 0.001 * 8 * 4
+    # Decodes (first row group: 4 rows) with up to 25 cached tokens, then a 12-token chunk after 30.
+    step = SimStep(((25, 1), (3, 1), (30, 12)))
+    assert model.step_seconds(step) == pytest.approx(1.0 + 0.001 * (4 * 3 + 12 * 3))
     result = simulate([(10, 3)], SimConfig("orca", 4, 64, 4, 10))
-    assert predicted_wall_s(result, model) == pytest.approx(1.0 + (1.0 + 0.001 * 10 * 4) + (1.0 + 0.001 * 11 * 4))
+    assert [s.chunks for s in result.steps] == [((0, 10),), ((10, 1),), ((11, 1),)]
+    assert predicted_wall_s(result, model) == pytest.approx(3.0 + 0.001 * 4 * (1 + 2))  # 10, 11 cached: 1, 2 blocks

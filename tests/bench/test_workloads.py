@@ -81,3 +81,13 @@ def test_named_kinds_and_bad_specs():
         WorkloadSpec(output_len=(10, 5))
     with pytest.raises(ValueError, match="arrival"):
         WorkloadSpec(arrival="sometimes")
+
+
+def test_shared_prefix_starts_every_prompt():
+    spec = WorkloadSpec(num_requests=6, prompt_len=(20, 40), shared_prefix=16, seed=5)
+    requests = build_workload(ByteTokenizer(), spec)
+    assert [len(r.prompt_token_ids) for r in requests] == [p for p, _ in sample_lengths(spec)]
+    assert len({tuple(r.prompt_token_ids[:16]) for r in requests}) == 1
+    assert len({tuple(r.prompt_token_ids[16:20]) for r in requests}) > 1
+    with pytest.raises(ValueError, match="shared_prefix"):
+        WorkloadSpec(prompt_len=(16, 40), shared_prefix=16)

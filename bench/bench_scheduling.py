@@ -1,0 +1,391 @@
+"""Offline scheduling benchmark: request-level (static) vs iteration-level scheduling, measured and
+predicted, on the same workloads through every policy.
+
+    python bench/bench_scheduling.py [--workloads zipf uniform equal] [--num-requests 48]
+                                     [--max-num-seqs 16] [--max-num-batched-tokens 256]
+
+For each workload (all requests queued at once; each generates exactly max_tokens, ignore_eos) and
+each policy (static, orca, paged, chunked; chunked with prefix caching on workloads that share a
+prompt prefix), one engine is built on the one shared runner, so every policy runs the same compiled
+buckets. Per policy it reports generated tokens/s, wall time, iterations of the engine beside those
+of the simulation (bench/simulate.py), batch occupancy, static's wasted decode slots, latency
+percentiles and preemptions.
+
+Prediction. Before the runs, the step time of every compiled (tokens, sequences) shape is measured
+here, plus the cost of cached context (bench/simulate.py, StepTimeModel). The simulated steps of each
+policy priced by that model give a predicted wall time; static's predicted wall over each iteration-
+level policy's is the throughput ratio the engine should reach, printed beside the achieved ratio.
+
+Latencies: time to first token (TTFT) and time between tokens (TBT) are taken when the engine
+produces each token; end-to-end latency when the request's result is released -- for static, when
+its whole batch completes, as in the FasterTransformer baseline. Normalised latency is end-to-end
+latency over output tokens.
+
+Saves the table as bench/results/scheduling.json, the step-time curves as scheduling_step_time.png
+and per-workload throughput and latency as scheduling_policies.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from simulate import SimConfig, SimResult, StepTimeModel, ideal_ratio, occupancy, predicted_wall_s, simulate  # noqa: E402
+from workloads import build_workload, describe, named_spec, save_jsonl, workload_lengths  # noqa: E402
+
+from orca_jax import LLM, SamplingParams  # noqa: E402
+from orca_jax.config import CacheConfig, SchedulerConfig  # noqa: E402
+from orca_jax.engine.engine import LLMEngine  # noqa: E402
+from orca_jax.engine.runner import RunnerStats, StepInputs  # noqa: E402
+from orca_jax.model.paged_attention import PAGES_PER_BLOCK  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# name -> (scheduling policy, prefix caching)
+VARIANTS = {"static": ("static", False), "orca": ("orca", False), "paged": ("paged", False),
+            "chunked": ("chunked", False), "chunked+prefix": ("chunked", True)}
+ITERATION_LEVEL = ("orca", "paged", "chunked")
+
+
+class TimingRunner:
+    """The model runner, plus a clock: records when each request's tokens are produced and the
+    shape of every step. The engine sees the same runner (same compiled buckets, same KV arrays)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.num_pages = runner.num_pages
+        self.token_times: dict[str, list[float]] = defaultdict(list)
+        self.steps: list[tuple[int, int, int]] = []  # (tokens, sequences, static padding rows)
+
+    def execute(self, plan):
+        sampled = self.runner.execute(plan)
+        now = time.monotonic()
+        for request_id in sampled:
+            self.token_times[request_id].append(now)
+        self.steps.append((plan.num_batched_tokens, len(plan.scheduled), plan.num_padding_seqs))
+        return sampled
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    def at(q):
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return {"mean": statistics.fmean(ordered), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+
+
+def run_policy(llm: LLM, variant: str, workload, max_num_seqs: int, max_num_batched_tokens: int) -> dict:
+    policy, prefix_caching = VARIANTS[variant]
+    config = dataclasses.replace(
+        llm.config,
+        cache=dataclasses.replace(llm.config.cache, enable_prefix_caching=prefix_caching),
+        scheduler=SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens))
+    runner = TimingRunner(llm.runner)
+    engine = LLMEngine(config, llm.engine.model_config, runner, llm.tokenizer, llm.engine.max_model_len)
+    llm.runner.stats = RunnerStats()
+    start = time.perf_counter()
+    for request in workload:
+        engine.add_request(request.prompt_token_ids,
+                           SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = (output, time.monotonic())
+    wall = time.perf_counter() - start
+
+    ttft, tbt, e2e, normalised, queue = [], [], [], [], []
+    for request_id, (output, released) in finished.items():
+        times, metrics = runner.token_times[request_id], output.metrics
+        assert len(times) == len(output.outputs[0].token_ids) == workload[int(request_id)].max_tokens
+        ttft.append(times[0] - metrics.arrival_time)
+        tbt += [b - a for a, b in zip(times, times[1:])]
+        e2e.append(released - metrics.arrival_time)
+        normalised.append(e2e[-1] / len(times))
+        queue.append(metrics.queue_time)
+    stats = llm.runner.stats
+    steps = runner.steps
+    decode_rows = sum(seqs + padding for tokens, seqs, padding in steps if tokens == seqs)
+    return {
+        "policy": variant,
+        "generated_tokens": engine.num_generated_tokens,
+        "wall_s": wall,
+        "tokens_per_s": engine.num_generated_tokens / wall,
+        "steps": engine.num_steps,
+        "mean_seqs_per_step": sum(s for _, s, _ in steps) / len(steps),
+        "mean_occupancy": sum(s for _, s, _ in steps) / len(steps) / max_num_seqs,
+        "mean_tokens_per_step": stats.real_tokens / stats.steps,
+        "wasted_decode_slots": sum(p for _, _, p in steps),
+        "wasted_decode_slot_fraction": sum(p for _, _, p in steps) / decode_rows if decode_rows else 0.0,
+        "bucket_padding_fraction": 1 - stats.real_tokens / stats.padded_tokens,
+        "host_ms_per_step": 1000 * (engine.step_time_s - stats.device_s) / stats.steps,
+        "device_ms_per_step": 1000 * stats.device_s / stats.steps,
+        "preemptions": engine.scheduler.num_preemptions,
+        "prefix_cache_hit_tokens": engine.kv.prefix_cache_hits,
+        "ttft_s": percentiles(ttft),
+        "tbt_s": percentiles(tbt),
+        "e2e_latency_s": percentiles(e2e),
+        "normalised_latency_s_per_token": percentiles(normalised),
+        "queue_s": percentiles(queue),
+        "normalised_latencies": sorted(normalised),  # for the CDF plot; dropped from the JSON
+    }
+
+
+# ---- step time vs batch shape, measured on this machine --------------------------------------
+
+def step_inputs(runner, num_tokens: int, num_seqs: int, context: int) -> StepInputs:
+    """Arrays of a step of `num_seqs` sequences sharing `num_tokens` new tokens, each with `context`
+    tokens already cached, laid out and padded to its bucket as the runner does for a real step."""
+    bucket_tokens, bucket_seqs = runner.buckets.pick(num_tokens, num_seqs)
+    inputs = runner._padding_inputs(bucket_tokens, bucket_seqs)
+    page_size, t, next_page = runner.page_size, 0, 0
+    if context + -(-num_tokens // num_seqs) > runner.max_pages_per_seq * page_size:
+        raise ValueError(f"a context of {context} tokens exceeds the model's length; lower --contexts")
+    for row in range(num_seqs):
+        n = num_tokens // num_seqs + (row < num_tokens % num_seqs)
+        num_pages = -(-(context + n) // page_size)
+        table = np.arange(next_page, next_page + num_pages, dtype=np.int32)
+        next_page += num_pages
+        assert next_page <= runner.num_pages, "the KV cache is too small for this measurement"
+        pos = np.arange(context, context + n, dtype=np.int32)
+        inputs.token_ids[t:t + n] = 1 + row
+        inputs.positions[t:t + n] = pos
+        inputs.segment_ids[t:t + n] = row
+        inputs.slot_mapping[t:t + n] = table[pos // page_size] * page_size + pos % page_size
+        inputs.block_tables[row, :num_pages] = table
+        inputs.kv_lens[row] = context + n
+        inputs.logits_index[row] = t + n - 1
+        t += n
+    return inputs
+
+
+def time_step(runner, num_tokens: int, num_seqs: int, context: int, repeat: int = 5) -> float:
+    """Seconds of the runner's step (dispatch, compute, result copy) on these arrays: the fastest of
+    `repeat` runs, since on a shared CPU other work only ever adds time."""
+    inputs = step_inputs(runner, num_tokens, num_seqs, context)
+    sampling = runner._sampling_metadata([], len(inputs.kv_lens))
+    runner._run(inputs, sampling)  # the first call of a shape may still load it from the compile cache
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        runner._run(inputs, sampling)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_step_times(runner, max_num_seqs: int, contexts: tuple[int, ...]) -> tuple[StepTimeModel, dict]:
+    """The step-time model: every bucket with nothing cached, then decode steps at batch 1, 2, 4, ...,
+    max_num_seqs over each cached context, whose excess over the bucket's base fits the cost of one
+    context block per row (least squares through the origin)."""
+    buckets = runner.buckets
+    base = {(t, s): time_step(runner, t, s, 0) for t, s in buckets.pairs()}
+    block_tokens = PAGES_PER_BLOCK * runner.page_size
+    batch_sizes, size = [], 1
+    while size < max_num_seqs:
+        batch_sizes.append(size)
+        size *= 2
+    batch_sizes.append(max_num_seqs)
+    decode = {context: [] for context in contexts}
+    xs, ys = [], []
+    for context in contexts:
+        for batch in batch_sizes:
+            seconds = time_step(runner, batch, batch, context)
+            decode[context].append(seconds)
+            t, s = buckets.pick(batch, batch)
+            xs.append(min(s, t) * -(-context // block_tokens))  # rows x blocks of the decode row group
+            ys.append(seconds - base[(t, s)])
+    per_row_block = max(0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)) if any(xs) else 0.0
+    model = StepTimeModel(list(buckets.tokens), list(buckets.seqs), base, block_tokens, per_row_block)
+    prefill_tokens = list(buckets.tokens)
+    curves = {
+        "decode_batch_sizes": batch_sizes,
+        "decode_ms": {str(c): [1000 * s for s in decode[c]] for c in contexts},
+        "decode_model_ms": {str(c): [1000 * (base[buckets.pick(b, b)] + per_row_block * xs[i + j * len(batch_sizes)])
+                                     for i, b in enumerate(batch_sizes)] for j, c in enumerate(contexts)},
+        "prefill_tokens": prefill_tokens,
+        "prefill_ms": [1000 * base[buckets.pick(t, 1)] for t in prefill_tokens],
+    }
+    return model, curves
+
+
+# ---- plots -------------------------------------------------------------------------------
+
+def plot_step_times(curves: dict, model_name: str, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (decode_ax, prefill_ax) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=80)
+    for context, ms in curves["decode_ms"].items():
+        line, = decode_ax.plot(curves["decode_batch_sizes"], ms, "o-", label=f"measured, {context} cached")
+        decode_ax.plot(curves["decode_batch_sizes"], curves["decode_model_ms"][context], "x--", color=line.get_color(),
+                       label=f"model, {context} cached")
+    decode_ax.set(xscale="log", xlabel="decode batch size (sequences)", ylabel="step time (ms)",
+                  title="decode step", ylim=(0, None))
+    decode_ax.set_xticks(curves["decode_batch_sizes"], [str(b) for b in curves["decode_batch_sizes"]])
+    decode_ax.legend(fontsize=7)
+    prefill_ax.plot(curves["prefill_tokens"], curves["prefill_ms"], "o-")
+    prefill_ax.set(xscale="log", xlabel="tokens in the step (one sequence, nothing cached)", ylabel="step time (ms)",
+                   title="prefill step", ylim=(0, None))
+    prefill_ax.set_xticks(curves["prefill_tokens"], [str(t) for t in curves["prefill_tokens"]])
+    fig.suptitle(f"{model_name} on {jax.default_backend()}: step time vs batch (bucket-padded)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_policies(workloads: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(9, 2.8 * len(workloads)), dpi=80, squeeze=False)
+    for (bars, cdf), w in zip(axes, workloads):
+        rows = w["policies"]
+        names = [r["policy"] for r in rows]
+        x = np.arange(len(rows))
+        bars.bar(x - 0.2, [r["tokens_per_s"] for r in rows], 0.4, label="measured")
+        bars.bar(x + 0.2, [r["predicted_tokens_per_s"] or 0 for r in rows], 0.4, label="predicted")
+        bars.set_xticks(x, names, fontsize=8)
+        bars.set(ylabel="generated tokens/s", title=f"{w['kind']}: throughput")
+        bars.legend(fontsize=7)
+        for r in rows:
+            values = r["normalised_latencies"]
+            cdf.plot(values, np.arange(1, len(values) + 1) / len(values), label=r["policy"])
+        cdf.set(xscale="log", xlabel="normalised latency (s / output token)", ylabel="fraction of requests",
+                title=f"{w['kind']}: latency CDF")
+        cdf.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ---- the run -----------------------------------------------------------------------------
+
+def add_prediction(row: dict, sim: SimResult | None, model: StepTimeModel) -> dict:
+    """Adds the simulation's iterations and the wall time and tokens/s it predicts to a measured row."""
+    row["simulated_steps"] = sim.num_steps if sim else None
+    row["simulated_preemptions"] = sim.num_preemptions if sim else None
+    row["predicted_wall_s"] = predicted_wall_s(sim, model) if sim else None
+    row["predicted_tokens_per_s"] = row["generated_tokens"] / row["predicted_wall_s"] if sim else None
+    row["simulated_occupancy"] = occupancy(sim) if sim else None
+    return row
+
+
+def simulated(lengths, variant: str, args, runner) -> SimResult | None:
+    """The simulation of a variant, or None for prefix caching (not modelled: hits depend on content)."""
+    policy, prefix_caching = VARIANTS[variant]
+    if prefix_caching:
+        return None
+    return simulate(lengths, SimConfig(policy, args.max_num_seqs, args.max_num_batched_tokens, runner.page_size,
+                                       runner.num_pages))
+
+
+def bench_workload(llm: LLM, kind: str, model: StepTimeModel, args) -> dict:
+    overrides = {"shared_prefix": args.shared_prefix}
+    if args.prompt_len:
+        overrides["prompt_len"] = tuple(args.prompt_len)
+    if args.output_len:
+        overrides["output_len"] = tuple(args.output_len)
+    spec = named_spec(kind, args.num_requests, args.seed, **overrides)
+    workload = build_workload(llm.tokenizer, spec)
+    if args.save_workloads:
+        save_jsonl(workload, args.save_workloads / f"{kind}.jsonl")
+    lengths = workload_lengths(workload)
+    variants = [v for v in args.policies if v != "chunked+prefix" or spec.shared_prefix > 0]
+    print(f"\n== {kind}: {describe(lengths)}; max_num_seqs {args.max_num_seqs}, "
+          f"max_num_batched_tokens {args.max_num_batched_tokens}", flush=True)
+    ideal = ideal_ratio(lengths, args.max_num_seqs, args.max_num_batched_tokens)
+    rows = []
+    for variant in variants:
+        sim = simulated(lengths, variant, args, llm.runner)
+        row = add_prediction(run_policy(llm, variant, workload, args.max_num_seqs, args.max_num_batched_tokens),
+                             sim, model)
+        rows.append(row)
+        print(f"{variant:15s} {row['tokens_per_s']:6.1f} tok/s (pred {row['predicted_tokens_per_s'] or 0:6.1f})  "
+              f"{row['wall_s']:6.1f} s  steps {row['steps']:4d} (sim {row['simulated_steps'] or '-':>4})  "
+              f"occupancy {row['mean_occupancy']:4.0%}  wasted slots {row['wasted_decode_slot_fraction']:4.0%}  "
+              f"TTFT p50 {row['ttft_s']['p50']:5.2f} s  TBT p50 {1000 * row['tbt_s']['p50']:5.0f} ms  "
+              f"norm lat p50/p99 {row['normalised_latency_s_per_token']['p50']:.2f}/"
+              f"{row['normalised_latency_s_per_token']['p99']:.2f} s/tok  preempt {row['preemptions']}", flush=True)
+    by_name = {r["policy"]: r for r in rows}
+    ratios = {}
+    if "static" in by_name:
+        static = by_name["static"]
+        for name in ITERATION_LEVEL:
+            if name not in by_name:
+                continue
+            r = by_name[name]
+            achieved = r["tokens_per_s"] / static["tokens_per_s"]
+            predicted = static["predicted_wall_s"] / r["predicted_wall_s"]
+            ratios[name] = {"achieved": achieved, "predicted": predicted, "achieved_over_predicted": achieved / predicted}
+            print(f"{name} / static throughput: achieved {achieved:.3f}, predicted {predicted:.3f} "
+                  f"(achieved/predicted {achieved / predicted:.1%}); ideal step ratio {ideal['step_ratio']:.3f} "
+                  f"({ideal['static_steps']} vs {ideal['orca_steps']} steps)")
+    return {"kind": kind, "spec": dataclasses.asdict(spec), "workload": describe(lengths), "ideal": ideal,
+            "ratios_vs_static": ratios, "policies": rows}
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--workloads", nargs="+", default=["zipf", "uniform", "equal"],
+                        choices=["zipf", "uniform", "equal"])
+    parser.add_argument("--policies", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="chunked+prefix runs only on workloads with --shared-prefix > 0")
+    parser.add_argument("--num-requests", type=int, default=48)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="tokens every prompt starts with (a system prompt), for prefix caching")
+    parser.add_argument("--prompt-len", type=int, nargs=2, metavar=("LO", "HI"),
+                        help="prompt length range for every kind, instead of its own (equal: HI)")
+    parser.add_argument("--output-len", type=int, nargs=2, metavar=("LO", "HI"),
+                        help="output length range for every kind, instead of its own (equal: HI)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 384],
+                        help="cached tokens per sequence for the decode step-time curves")
+    parser.add_argument("--out", type=Path, default=RESULTS / "scheduling.json")
+    parser.add_argument("--plots", type=Path, default=RESULTS, help="folder for the PNG plots")
+    parser.add_argument("--save-workloads", type=Path, default=None, help="folder to save each workload as JSONL")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    llm = LLM(args.model, scheduling_policy="chunked", max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    print("measuring step times ...", file=sys.stderr, flush=True)
+    model, curves = measure_step_times(llm.runner, args.max_num_seqs, tuple(args.contexts))
+    workloads = [bench_workload(llm, kind, model, args) for kind in args.workloads]
+
+    results = {"model": args.model, "backend": jax.default_backend(), "jax": jax.__version__,
+               "num_requests": args.num_requests, "max_num_seqs": args.max_num_seqs,
+               "max_num_batched_tokens": args.max_num_batched_tokens, "page_size": llm.runner.page_size,
+               "num_kv_pages": llm.runner.num_pages, "step_time_model": model.to_json(), "step_time_curves": curves,
+               "workloads": workloads, "compilations_after_warmup": llm.num_compilations_after_warmup}
+    args.plots.mkdir(parents=True, exist_ok=True)
+    plot_step_times(curves, args.model, args.plots / "scheduling_step_time.png")
+    plot_policies(workloads, args.plots / "scheduling_policies.png")
+    for w in workloads:
+        for row in w["policies"]:
+            del row["normalised_latencies"]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nsaved {args.out} and plots in {args.plots}; compilations after warm-up: "
+          f"{llm.num_compilations_after_warmup}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
