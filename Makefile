@@ -1,4 +1,4 @@
-# The two commands of the README:  `make run` (generate with the default model)  and  `make test`.
+# The two commands of the README:  `make run` (serve the default model)  and  `make test`.
 # Both create .venv, install the project and pull the default model first; a second run skips
 # whatever is already done.
 
@@ -9,7 +9,7 @@ INSTALLED := $(VENV)/.installed-stamp
 MODEL := smollm2-135m-instruct
 CHECKPOINT := checkpoints/$(MODEL)/model.toml
 
-.PHONY: setup pull run test
+.PHONY: setup pull run generate test
 
 setup: $(INSTALLED)
 
@@ -24,8 +24,15 @@ pull: $(CHECKPOINT)
 $(CHECKPOINT): | $(INSTALLED)
 	$(BIN)/orca-jax pull $(MODEL)
 
-# The main job: a batch of chat prompts through the engine (continuous batching, chunked prefill).
+# The main job: the OpenAI-compatible server on the default model, http://127.0.0.1:8000 (Ctrl-C
+# drains and stops it). HOST/PORT override the address.
+HOST ?= 127.0.0.1
+PORT ?= 8000
 run: setup pull
+	$(BIN)/orca-jax serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
+# A batch of chat prompts through the offline engine (continuous batching, chunked prefill).
+generate: setup pull
 	$(BIN)/orca-jax generate --model $(MODEL) --chat --max-tokens 64 \
 		--policy chunked --max-num-seqs 16 --max-num-batched-tokens 256 \
 		"What is the capital of France?" \
