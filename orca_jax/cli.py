@@ -44,7 +44,14 @@ def main(argv: list[str] | None = None) -> int:
                        help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
     add_engine_args(serve)
 
+    bench = commands.add_parser("bench", help="run a benchmark of bench/ (pass its own flags after the name)")
+    bench.add_argument("name", choices=BENCHMARKS, help="scheduling (offline, every policy), serving (load "
+                       "generator against servers), throughput, attention")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's flags; see --help after the name")
+
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return _bench(args.name, args.bench_args)
     if args.command == "serve":
         from orca_jax.checkpoint.store import CheckpointError
 
@@ -70,6 +77,25 @@ def main(argv: list[str] | None = None) -> int:
         except (CheckpointError, ValueError) as e:  # ConfigError and RequestRejected are ValueErrors
             print(f"error: {e}", file=sys.stderr)
             return 2
+    return 0
+
+
+BENCHMARKS = ["scheduling", "serving", "throughput", "attention"]
+
+
+def _bench(name: str, bench_args: list[str]) -> int:
+    """Runs bench/bench_<name>.py of the source checkout as if from the command line."""
+    import runpy
+
+    from orca_jax.config import REPO_ROOT
+
+    script = REPO_ROOT / "bench" / f"bench_{name}.py"
+    if not script.is_file():
+        print(f"error: {script} not found; the benchmarks live in the source checkout (pip install -e .)",
+              file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *bench_args]
+    runpy.run_path(str(script), run_name="__main__")
     return 0
 
 

@@ -39,3 +39,11 @@ def test_engine_settings_from_a_config_file_and_flags_over_it(tmp_path):
     config.write_text("bogus = 1\n")
     result = orca_jax("generate", "--config", str(config), "3 5")
     assert result.returncode == 2 and "unknown key(s) ['bogus']" in result.stderr
+
+
+def test_bench_runs_the_named_benchmark_script():
+    result = orca_jax("bench", "serving", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "bench_serving.py" in result.stdout and "--max-concurrency" in result.stdout
+    result = orca_jax("bench", "nonsense")
+    assert result.returncode == 2 and "invalid choice" in result.stderr
