@@ -114,9 +114,9 @@ def percentiles(values, name: str) -> dict:
 def summarize(results: list[RequestResult], wall: float, rate: float, max_concurrency: int | None) -> dict:
     ok = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in ok)
-    row = {"rate": rate if math.isfinite(rate) else "inf", "max_concurrency": max_concurrency, "requests": len(results), "ok": len(ok),
-           "errors": sorted({r.error for r in results if not r.ok})[:5], "wall_s": wall,
-           "request_throughput": len(ok) / wall, "output_throughput": tokens / wall}
+    row = {"rate": rate if math.isfinite(rate) else "inf", "max_concurrency": max_concurrency,
+           "requests": len(results), "ok": len(ok), "errors": sorted({r.error for r in results if not r.ok})[:5],
+           "wall_s": wall, "request_throughput": len(ok) / wall, "output_throughput": tokens / wall}
     row.update(percentiles([r.ttft_s for r in ok], "ttft_s"))
     row.update(percentiles([g for r in ok for g in r.token_gaps_s], "itl_s"))
     row.update(percentiles([r.e2e_s for r in ok], "e2e_s"))

@@ -93,7 +93,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     for i, final in enumerate(finals):
         for c in final.outputs:
             completion_tokens += len(c.token_ids)
-            logprobs = None if c.logprobs is None else responses.completion_logprobs(c.token_ids, c.logprobs, len(echo[i]))
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = responses.completion_logprobs(c.token_ids, c.logprobs, len(echo[i]))
             choices.append({"index": i * n + c.index, "text": echo[i] + c.text, "logprobs": logprobs,
                             "finish_reason": c.finish_reason})
     body = responses.envelope(response_id, "text_completion", model, choices,
@@ -110,7 +112,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tokenizer = engine.engine.tokenizer
     if tokenizer is None:
         raise invalid("this model has no tokenizer, so no chat template; use /v1/completions with token ids")
-    ids = tokenizer.encode(tokenizer.apply_chat_template(req.messages))
+    try:
+        text = tokenizer.apply_chat_template(req.messages)
+    except Exception as error:  # noqa: BLE001 - templates raise their own errors (e.g. on role order)
+        raise invalid(f"the model's chat template cannot render these messages: {error}", "messages") from error
+    _, ids = _tokenize(engine, text)
     params = req.params
     if not req.max_tokens_given:  # OpenAI's default: whatever room the context leaves
         room = min(engine.engine.max_model_len, engine.engine.kv.num_pages * engine.engine.kv.page_size) - len(ids)
