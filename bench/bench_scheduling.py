@@ -21,8 +21,8 @@ produces each token; end-to-end latency when the request's result is released --
 its whole batch completes, as in the FasterTransformer baseline. Normalised latency is end-to-end
 latency over output tokens.
 
-Saves the table as bench/results/scheduling.json, the step-time curves as scheduling_step_time.png
-and per-workload throughput and latency as scheduling_policies.png.
+Saves the table as bench/results/scheduling.json, and beside it the step-time curves
+(scheduling_step_time.png) and per-workload throughput and latency (scheduling_policies.png).
 """
 
 from __future__ import annotations
@@ -94,9 +94,10 @@ def run_policy(llm: LLM, variant: str, workload, max_num_seqs: int, max_num_batc
     engine = LLMEngine(config, llm.engine.model_config, runner, llm.tokenizer, llm.engine.max_model_len)
     llm.runner.stats = RunnerStats()
     start = time.perf_counter()
-    for request in workload:
+    for i, request in enumerate(workload):
         engine.add_request(request.prompt_token_ids,
-                           SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True))
+                           SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True),
+                           request_id=str(i))
     finished = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -195,25 +196,23 @@ def measure_step_times(runner, max_num_seqs: int, contexts: tuple[int, ...]) -> 
         batch_sizes.append(size)
         size *= 2
     batch_sizes.append(max_num_seqs)
-    decode = {context: [] for context in contexts}
-    xs, ys = [], []
+    points = []  # (context, batch, measured seconds, bucket base seconds, rows x context blocks)
     for context in contexts:
         for batch in batch_sizes:
-            seconds = time_step(runner, batch, batch, context)
-            decode[context].append(seconds)
             t, s = buckets.pick(batch, batch)
-            xs.append(min(s, t) * -(-context // block_tokens))  # rows x blocks of the decode row group
-            ys.append(seconds - base[(t, s)])
+            blocks = min(s, t) * -(-context // block_tokens)  # the decode row group: S_bucket rows
+            points.append((context, batch, time_step(runner, batch, batch, context), base[(t, s)], blocks))
+    xs = [x for *_, x in points]
+    ys = [seconds - base_s for _, _, seconds, base_s, _ in points]
     per_row_block = max(0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)) if any(xs) else 0.0
     model = StepTimeModel(list(buckets.tokens), list(buckets.seqs), base, block_tokens, per_row_block)
-    prefill_tokens = list(buckets.tokens)
     curves = {
         "decode_batch_sizes": batch_sizes,
-        "decode_ms": {str(c): [1000 * s for s in decode[c]] for c in contexts},
-        "decode_model_ms": {str(c): [1000 * (base[buckets.pick(b, b)] + per_row_block * xs[i + j * len(batch_sizes)])
-                                     for i, b in enumerate(batch_sizes)] for j, c in enumerate(contexts)},
-        "prefill_tokens": prefill_tokens,
-        "prefill_ms": [1000 * base[buckets.pick(t, 1)] for t in prefill_tokens],
+        "decode_ms": {str(c): [1000 * p[2] for p in points if p[0] == c] for c in contexts},
+        "decode_model_ms": {str(c): [1000 * (p[3] + per_row_block * p[4]) for p in points if p[0] == c]
+                            for c in contexts},
+        "prefill_tokens": list(buckets.tokens),
+        "prefill_ms": [1000 * base[buckets.pick(t, 1)] for t in buckets.tokens],
     }
     return model, curves
 
@@ -235,7 +234,7 @@ def plot_step_times(curves: dict, model_name: str, path: Path) -> None:
     decode_ax.set_xticks(curves["decode_batch_sizes"], [str(b) for b in curves["decode_batch_sizes"]])
     decode_ax.legend(fontsize=7)
     prefill_ax.plot(curves["prefill_tokens"], curves["prefill_ms"], "o-")
-    prefill_ax.set(xscale="log", xlabel="tokens in the step (one sequence, nothing cached)", ylabel="step time (ms)",
+    prefill_ax.set(xscale="log", xlabel="tokens in the step (nothing cached)", ylabel="step time (ms)",
                    title="prefill step", ylim=(0, None))
     prefill_ax.set_xticks(curves["prefill_tokens"], [str(t) for t in curves["prefill_tokens"]])
     fig.suptitle(f"{model_name} on {jax.default_backend()}: step time vs batch (bucket-padded)", fontsize=10)
@@ -305,6 +304,9 @@ def bench_workload(llm: LLM, kind: str, model: StepTimeModel, args) -> dict:
     variants = [v for v in args.policies if v != "chunked+prefix" or spec.shared_prefix > 0]
     print(f"\n== {kind}: {describe(lengths)}; max_num_seqs {args.max_num_seqs}, "
           f"max_num_batched_tokens {args.max_num_batched_tokens}", flush=True)
+    if "chunked+prefix" in args.policies and "chunked+prefix" not in variants:
+        print("chunked+prefix skipped: the prompts share no prefix, so prefix caching changes nothing "
+              "(give --shared-prefix N)")
     ideal = ideal_ratio(lengths, args.max_num_seqs, args.max_num_batched_tokens)
     rows = []
     for variant in variants:
@@ -355,8 +357,8 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 384],
                         help="cached tokens per sequence for the decode step-time curves")
-    parser.add_argument("--out", type=Path, default=RESULTS / "scheduling.json")
-    parser.add_argument("--plots", type=Path, default=RESULTS, help="folder for the PNG plots")
+    parser.add_argument("--out", type=Path, default=RESULTS / "scheduling.json",
+                        help="results JSON; the plots go beside it as <name>_step_time.png, <name>_policies.png")
     parser.add_argument("--save-workloads", type=Path, default=None, help="folder to save each workload as JSONL")
     return parser.parse_args(argv)
 
@@ -374,15 +376,15 @@ def main(argv: list[str] | None = None) -> dict:
                "max_num_batched_tokens": args.max_num_batched_tokens, "page_size": llm.runner.page_size,
                "num_kv_pages": llm.runner.num_pages, "step_time_model": model.to_json(), "step_time_curves": curves,
                "workloads": workloads, "compilations_after_warmup": llm.num_compilations_after_warmup}
-    args.plots.mkdir(parents=True, exist_ok=True)
-    plot_step_times(curves, args.model, args.plots / "scheduling_step_time.png")
-    plot_policies(workloads, args.plots / "scheduling_policies.png")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    plots = [args.out.with_name(f"{args.out.stem}_{name}.png") for name in ("step_time", "policies")]
+    plot_step_times(curves, args.model, plots[0])
+    plot_policies(workloads, plots[1])
     for w in workloads:
         for row in w["policies"]:
             del row["normalised_latencies"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nsaved {args.out} and plots in {args.plots}; compilations after warm-up: "
+    print(f"\nsaved {args.out}, {plots[0].name}, {plots[1].name}; compilations after warm-up: "
           f"{llm.num_compilations_after_warmup}")
     return results
 

@@ -1,7 +1,6 @@
 """Engines over the session's shared runners (tests/conftest.py): the scheduling policy lives in the
 engine, so one runner (one set of compiled buckets) serves engines of every policy."""
 
-
 from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
 from orca_jax.engine.engine import LLMEngine
 
