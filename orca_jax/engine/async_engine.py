@@ -28,7 +28,7 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from orca_jax.engine.engine import LLMEngine
+from orca_jax.engine.engine import LLMEngine, StepFailed
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
 
@@ -122,16 +122,22 @@ class AsyncLLMEngine:
                     break
             for command in commands:
                 if command is _STOP:
-                    self._fail_all(EngineStepError("the engine is shutting down"))
+                    self._fail(list(self._sinks), EngineStepError("the engine is shutting down"))
                     return
                 self._apply(command)
             if not self.engine.has_unfinished_requests():
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as error:  # noqa: BLE001 - isolate the failure to this step's requests
-                log.exception("engine step failed")
-                self._fail_all(EngineStepError(f"engine step failed: {error}"))
+            except StepFailed as error:
+                log.exception("engine step failed; failing its %d request(s)", len(error.request_ids))
+                self._fail(error.request_ids, EngineStepError(f"engine step failed: {error}"))
+                self._publish()
+                continue
+            except Exception as error:  # noqa: BLE001 - the engine's state is unknown: fail everything
+                log.exception("engine failed outside the runner; failing every request in flight")
+                self._fail(list(self._sinks), EngineStepError(f"engine step failed: {error}"))
+                self._publish()
                 continue
             for output in outputs:
                 self._deliver(output.request_id, output)
@@ -168,12 +174,12 @@ class AsyncLLMEngine:
             self._deliver(command.request_id, error)
             self._sinks.pop(command.request_id, None)
 
-    def _fail_all(self, error: Exception) -> None:
-        """Aborts every request in flight and fails its iterator with `error`."""
-        for request_id in list(self._sinks):
+    def _fail(self, request_ids: list[str], error: Exception) -> None:
+        """Aborts these requests (their pages are freed) and fails their iterators with `error`."""
+        for request_id in request_ids:
             self.engine.abort(request_id)
             self._deliver(request_id, error)
-        self._sinks.clear()
+            self._sinks.pop(request_id, None)
 
     def _deliver(self, request_id: str, item) -> None:
         sink, loop = self._sinks.get(request_id, (None, None))

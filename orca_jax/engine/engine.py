@@ -25,6 +25,15 @@ class RequestRejected(ValueError):
     """A request that can never be served under the current limits; the message names the limit."""
 
 
+class StepFailed(RuntimeError):
+    """The runner raised while executing a step. `request_ids` are the requests that step scheduled
+    (their state is unknown now); the engine's other requests are untouched and can go on."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+
+
 @dataclass
 class _Sample:
     """Host-side state of one of a request's n samples."""
@@ -176,7 +185,11 @@ class LLMEngine:
         plan: SchedulerOutput = self.scheduler.schedule()
         advanced, sampled = [], {}
         if not plan.empty:
-            sampled = self.runner.execute(plan)
+            try:
+                sampled = self.runner.execute(plan)
+            except Exception as error:
+                groups = dict.fromkeys(self._samples[s.request.request_id][0].request_id for s in plan.scheduled)
+                raise StepFailed(list(groups), error) from error
             self.num_steps += 1
             self.last_step_num_tokens = plan.num_batched_tokens
             advanced = self.scheduler.update_after_step(plan, {rid: s.token for rid, s in sampled.items()})

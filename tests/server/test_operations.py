@@ -167,3 +167,37 @@ def test_drain_finishes_in_flight_requests_then_cancels_past_the_timeout(make_se
     assert long_text is None or "[DONE]" not in long_text  # cancelled, not completed
     assert exit_code == 0
     assert server.engine.kv.num_free_pages == server.engine.kv.num_pages
+
+
+def test_a_failing_step_spares_the_requests_it_did_not_schedule(make_server, monkeypatch):
+    server = make_server()  # max_num_seqs 8: of 12 requests, 4 wait
+    runner = server.engine.runner
+    real_execute = runner.execute
+    calls = []
+
+    def execute(plan):
+        calls.append(len(plan.scheduled))
+        time.sleep(0.02)  # slow enough that all 12 requests have arrived before step 10
+        if len(calls) == 10:
+            raise RuntimeError("injected device fault")
+        return real_execute(plan)
+
+    monkeypatch.setattr(runner, "execute", execute)
+
+    async def one(session, i):
+        async with session.post(server.url + "/v1/completions", json=counting_request(i % 4, 30)) as response:
+            return i, response.status, await response.json()
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(one(session, i) for i in range(12)))
+
+    results = asyncio.run(main())
+    assert calls[9] == 8  # the failing step ran the 8 admitted requests
+    failed = [r for r in results if r[1] == 500]
+    served = [r for r in results if r[1] == 200]
+    assert len(failed) == 8 and all("injected device fault" in body["error"]["message"] for _, _, body in failed)
+    assert len(served) == 4  # the waiting ones were not in that step: they finish, and right
+    for i, _, body in served:
+        assert body["choices"][0]["text"] == expected_text(i % 4, 30)
+    assert server.engine.kv.num_free_pages == server.engine.kv.num_pages
