@@ -23,9 +23,11 @@ def test_generate_with_the_tiny_model_from_args_and_stdin():
 
 
 def test_missing_model_explains_the_fix(tmp_path):
-    result = orca_jax("generate", "--model", str(tmp_path / "nothing"), "hi")
-    assert result.returncode != 0
-    assert "no checkpoint" in result.stderr and "orca-jax convert" in result.stderr
+    for command in (["generate", "--model", str(tmp_path / "nothing"), "hi"],
+                    ["serve", "--model", str(tmp_path / "nothing"), "--port", "0"]):
+        result = orca_jax(*command)
+        assert result.returncode == 2, result.stderr
+        assert "no checkpoint" in result.stderr and "orca-jax convert" in result.stderr
 
 
 def test_engine_settings_from_a_config_file_and_flags_over_it(tmp_path):

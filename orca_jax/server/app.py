@@ -1,8 +1,9 @@
-"""The aiohttp application: server state, middlewares (errors, auth) and routes. No jax.
+"""The aiohttp application: server state, middlewares (errors, auth), routes, the engine's lifetime. No jax.
 
-`create_app(state)` builds the app; `serve.py` runs it on a port. The state starts without an
-engine (the server listens while the model loads and compiles, answering /health with 503) and
-gets one from `ServerState.set_engine` once warm-up is done.
+`create_app(state)` builds the app; `serve.py` runs it on a port and drains it. The app's cleanup
+context owns the engine: at start-up it builds it (load and compile, minutes) on a daemon thread
+while the server already answers (/health says 503 "warming up"); at cleanup it stops the engine
+thread.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import contextlib
 import hmac
 import json
 import logging
+import threading
 from dataclasses import dataclass
+from typing import Callable
 
 from aiohttp import web
 
@@ -35,17 +38,36 @@ class ServerSettings:
 
 
 class ServerState:
-    def __init__(self, settings: ServerSettings):
+    def __init__(self, settings: ServerSettings, engine_factory: Callable[[], AsyncLLMEngine]):
         self.settings = settings
+        self.engine_factory = engine_factory
         self.engine: AsyncLLMEngine | None = None
+        self.load_error: BaseException | None = None
+        self.loaded = asyncio.Event()  # set when the engine is ready or failed to build
         self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine is not None else None)
         self.draining = False
         self.num_in_flight = 0  # sequences admitted and not yet finished
         self.handler_tasks: set[asyncio.Task] = set()
 
-    def set_engine(self, engine: AsyncLLMEngine) -> None:
-        engine.step_listener = self.metrics.on_step
-        self.engine = engine
+    def start_loading(self) -> None:
+        """Builds the engine on a daemon thread (a stop during warm-up need not wait for it)."""
+        loop = asyncio.get_running_loop()
+
+        def build() -> None:
+            try:
+                engine = self.engine_factory()
+            except BaseException as error:  # noqa: BLE001 - reported by serve(), which exits non-zero
+                loop.call_soon_threadsafe(self._loaded, None, error)
+            else:
+                loop.call_soon_threadsafe(self._loaded, engine, None)
+
+        threading.Thread(target=build, name="orca-jax-warm-up", daemon=True).start()
+
+    def _loaded(self, engine: AsyncLLMEngine | None, error: BaseException | None) -> None:
+        if engine is not None:
+            engine.step_listener = self.metrics.on_step
+        self.engine, self.load_error = engine, error
+        self.loaded.set()
 
     @property
     def capacity(self) -> int:
@@ -138,12 +160,22 @@ async def read_json(request: web.Request) -> object:
         raise invalid(f"the request body is not valid JSON: {error}") from error
 
 
+async def engine_lifetime(app: web.Application):
+    """Cleanup context: the engine is built at start-up and its thread stopped at cleanup."""
+    state = app[STATE]
+    state.start_loading()
+    yield
+    if state.engine is not None:
+        await asyncio.get_running_loop().run_in_executor(None, state.engine.shutdown, 30.0)
+
+
 def create_app(state: ServerState) -> web.Application:
     from orca_jax.server import handlers
 
     app = web.Application(middlewares=[errors_middleware, auth_middleware],
                           client_max_size=state.settings.max_request_bytes)
     app[STATE] = state
+    app.cleanup_ctx.append(engine_lifetime)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_get("/v1/models", handlers.list_models)

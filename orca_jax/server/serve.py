@@ -1,12 +1,13 @@
-"""Running the server: listen at once, build the engine on a thread, drain on SIGTERM/SIGINT. No jax.
+"""Running the server: listen at once, drain on SIGTERM/SIGINT. No jax.
 
 The order matters to operators: the port answers from the first second (GET /health says 503
-"warming up" while the model loads and compiles), and a stop signal drains rather than drops:
+"warming up" while the app's cleanup context builds the engine), and a stop signal drains rather
+than drops:
 
 1. stop accepting connections and answer new requests on open ones with 503;
 2. wait up to `shutdown_timeout` seconds for the requests in flight to finish;
 3. cancel whatever is left (each cancelled request is aborted in the engine, its pages freed);
-4. stop the engine thread and return 0.
+4. clean the app up (which stops the engine thread) and return 0.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import threading
 import time
 from typing import Callable
 
@@ -33,7 +33,7 @@ async def serve(settings: ServerSettings, engine_factory: Callable[[], AsyncLLME
     """Serves until `stop` is set (or a signal arrives); returns the process exit code."""
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
-    state = ServerState(settings)
+    state = ServerState(settings, engine_factory)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
@@ -47,53 +47,23 @@ async def serve(settings: ServerSettings, engine_factory: Callable[[], AsyncLLME
     if on_listening is not None:
         on_listening(state, runner.addresses)
 
-    exit_code = 0
-    loaded = _build_on_thread(engine_factory)
+    loading = asyncio.ensure_future(state.loaded.wait())
     stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({loaded, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if loaded.done():
-        try:
-            state.set_engine(loaded.result())
-            log.info("ready: serving %s", settings.model_name)
-        except Exception:  # noqa: BLE001 - reported, then the server exits non-zero
-            log.exception("could not load the model; shutting down")
-            exit_code = 1
-            stop.set()
+    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    exit_code = 0
+    if state.load_error is not None:
+        log.error("could not load the model; shutting down", exc_info=state.load_error)
+        exit_code = 1
+    elif state.engine is not None:
+        log.info("ready: serving %s", settings.model_name)
         await stopping
+    loading.cancel()
+    stopping.cancel()
 
     await _drain(state, site, shutdown_timeout)
     await runner.cleanup()
-    if state.engine is not None:
-        state.engine.shutdown(timeout=shutdown_timeout)
     log.info("stopped")
     return exit_code
-
-
-def _build_on_thread(engine_factory: Callable[[], AsyncLLMEngine]) -> asyncio.Future:
-    """The engine is built (loaded, compiled) on a daemon thread, so a stop during warm-up does not
-    wait for it."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def build() -> None:
-        try:
-            engine = engine_factory()
-        except BaseException as error:  # noqa: BLE001 - handed to the event loop
-            loop.call_soon_threadsafe(_settle, future, None, error)
-        else:
-            loop.call_soon_threadsafe(_settle, future, engine, None)
-
-    threading.Thread(target=build, name="orca-jax-warm-up", daemon=True).start()
-    return future
-
-
-def _settle(future: asyncio.Future, result, error) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
 
 
 async def _drain(state: ServerState, site: web.TCPSite, timeout: float) -> None:

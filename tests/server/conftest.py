@@ -58,9 +58,16 @@ class ServerThread:
 
     def stop(self) -> int:
         self.loop.call_soon_threadsafe(self.stop_event.set)
-        self._thread.join(60)
+        return self.wait_exit()
+
+    def wait_exit(self, timeout: float = 60) -> int:
+        self._thread.join(timeout)
         assert not self._thread.is_alive(), "the server did not stop"
         return self.exit_code
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
     @property
     def engine(self):

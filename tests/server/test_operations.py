@@ -36,7 +36,7 @@ def make_server(tiny_runner, tiny_trained):
 
     yield make
     for server in servers:
-        if server._thread.is_alive():
+        if server.running:
             server.stop()
 
 
@@ -60,6 +60,14 @@ def test_health_is_503_while_warming_up_then_200(make_server, tiny_runner, tiny_
         time.sleep(0.05)
     status, _, raw = http(server, "POST", "/v1/completions", counting_request(0, 3))
     assert status == 200 and json.loads(raw)["choices"][0]["text"] == expected_text(0, 3)
+
+
+def test_a_model_that_fails_to_load_makes_serve_exit_1(make_server):
+    def broken_factory():
+        raise RuntimeError("weights are corrupt")
+
+    server = make_server(broken_factory, wait_ready=False)
+    assert server.wait_exit(30) == 1
 
 
 def test_overload_gives_fast_503_and_loses_no_admitted_request(make_server):
