@@ -170,46 +170,53 @@ def step_inputs(runner, num_tokens: int, num_seqs: int, context: int) -> StepInp
     return inputs
 
 
-def time_step(runner, num_tokens: int, num_seqs: int, context: int, repeat: int = 5) -> float:
-    """Seconds of the runner's step (dispatch, compute, result copy) on these arrays: the fastest of
-    `repeat` runs, since on a shared CPU other work only ever adds time."""
-    inputs = step_inputs(runner, num_tokens, num_seqs, context)
-    sampling = runner._sampling_metadata([], len(inputs.kv_lens))
-    runner._run(inputs, sampling)  # the first call of a shape may still load it from the compile cache
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        runner._run(inputs, sampling)
-        times.append(time.perf_counter() - start)
-    return min(times)
+def time_steps(runner, shapes: list[tuple[int, int, int]], rounds: int = 5) -> list[float]:
+    """Seconds of the runner's step (dispatch, compute, result copy) for each (tokens, sequences,
+    context) shape: the fastest of `rounds` runs, taken round-robin over the shapes, so a burst of
+    other work on a shared CPU (which only ever adds time) spoils one round rather than one shape."""
+    prepared = []
+    for num_tokens, num_seqs, context in shapes:
+        inputs = step_inputs(runner, num_tokens, num_seqs, context)
+        sampling = runner._sampling_metadata([], len(inputs.kv_lens))
+        runner._run(inputs, sampling)  # the first call of a shape may still load it from the compile cache
+        prepared.append((inputs, sampling))
+    best = [float("inf")] * len(shapes)
+    for _ in range(rounds):
+        for i, (inputs, sampling) in enumerate(prepared):
+            start = time.perf_counter()
+            runner._run(inputs, sampling)
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
 
 
 def measure_step_times(runner, max_num_seqs: int, contexts: tuple[int, ...]) -> tuple[StepTimeModel, dict]:
-    """The step-time model: every bucket with nothing cached, then decode steps at batch 1, 2, 4, ...,
-    max_num_seqs over each cached context, whose excess over the bucket's base fits the cost of one
+    """The step-time model: every bucket with nothing cached, and decode steps at batch 1, 2, 4, ...,
+    max_num_seqs over each cached context, whose excess over their bucket's base fits the cost of one
     context block per row (least squares through the origin)."""
     buckets = runner.buckets
-    base = {(t, s): time_step(runner, t, s, 0) for t, s in buckets.pairs()}
-    block_tokens = PAGES_PER_BLOCK * runner.page_size
     batch_sizes, size = [], 1
     while size < max_num_seqs:
         batch_sizes.append(size)
         size *= 2
     batch_sizes.append(max_num_seqs)
-    points = []  # (context, batch, measured seconds, bucket base seconds, rows x context blocks)
-    for context in contexts:
-        for batch in batch_sizes:
-            t, s = buckets.pick(batch, batch)
-            blocks = min(s, t) * -(-context // block_tokens)  # the decode row group: S_bucket rows
-            points.append((context, batch, time_step(runner, batch, batch, context), base[(t, s)], blocks))
+    pairs = buckets.pairs()
+    decodes = [(c, b) for c in contexts for b in batch_sizes]
+    seconds = time_steps(runner, [(t, s, 0) for t, s in pairs] + [(b, b, c) for c, b in decodes])
+    base = dict(zip(pairs, seconds))
+    block_tokens = PAGES_PER_BLOCK * runner.page_size
+    points = []  # (context, measured seconds, bucket base seconds, rows x context blocks)
+    for (context, batch), measured in zip(decodes, seconds[len(pairs):]):
+        t, s = buckets.pick(batch, batch)
+        blocks = min(s, t) * -(-context // block_tokens)  # the decode row group: S_bucket rows
+        points.append((context, measured, base[(t, s)], blocks))
     xs = [x for *_, x in points]
-    ys = [seconds - base_s for _, _, seconds, base_s, _ in points]
+    ys = [measured - base_s for _, measured, base_s, _ in points]
     per_row_block = max(0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)) if any(xs) else 0.0
     model = StepTimeModel(list(buckets.tokens), list(buckets.seqs), base, block_tokens, per_row_block)
     curves = {
         "decode_batch_sizes": batch_sizes,
-        "decode_ms": {str(c): [1000 * p[2] for p in points if p[0] == c] for c in contexts},
-        "decode_model_ms": {str(c): [1000 * (p[3] + per_row_block * p[4]) for p in points if p[0] == c]
+        "decode_ms": {str(c): [1000 * p[1] for p in points if p[0] == c] for c in contexts},
+        "decode_model_ms": {str(c): [1000 * (p[2] + per_row_block * p[3]) for p in points if p[0] == c]
                             for c in contexts},
         "prefill_tokens": list(buckets.tokens),
         "prefill_ms": [1000 * base[buckets.pick(t, 1)] for t in buckets.tokens],
