@@ -65,9 +65,12 @@ class TimingRunner:
         self.num_pages = runner.num_pages
         self.token_times: dict[str, list[float]] = defaultdict(list)
         self.steps: list[tuple[int, int, int]] = []  # (tokens, sequences, static padding rows)
+        self.step_seconds: list[float] = []  # the runner's time for each step
 
     def execute(self, plan):
+        start = time.perf_counter()
         sampled = self.runner.execute(plan)
+        self.step_seconds.append(time.perf_counter() - start)
         now = time.monotonic()
         for request_id in sampled:
             self.token_times[request_id].append(now)
@@ -139,6 +142,7 @@ def run_policy(llm: LLM, variant: str, workload, max_num_seqs: int, max_num_batc
         "normalised_latency_s_per_token": percentiles(normalised),
         "queue_s": percentiles(queue),
         "normalised_latencies": sorted(normalised),  # for the CDF plot; dropped from the JSON
+        "step_shapes_and_seconds": list(zip(steps, runner.step_seconds)),  # for the model check; dropped too
     }
 
 
@@ -228,6 +232,7 @@ def measure_step_times(runner, max_num_seqs: int, contexts: tuple[int, ...]) -> 
 
 def plot_step_times(curves: dict, model_name: str, path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -244,6 +249,8 @@ def plot_step_times(curves: dict, model_name: str, path: Path) -> None:
     prefill_ax.set(xscale="log", xlabel="tokens in the step (nothing cached)", ylabel="step time (ms)",
                    title="prefill step", ylim=(0, None))
     prefill_ax.set_xticks(curves["prefill_tokens"], [str(t) for t in curves["prefill_tokens"]])
+    for ax in (decode_ax, prefill_ax):
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     fig.suptitle(f"{model_name} on {jax.default_backend()}: step time vs batch (bucket-padded)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
@@ -252,6 +259,7 @@ def plot_step_times(curves: dict, model_name: str, path: Path) -> None:
 
 def plot_policies(workloads: list[dict], path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -270,6 +278,7 @@ def plot_policies(workloads: list[dict], path: Path) -> None:
             cdf.plot(values, np.arange(1, len(values) + 1) / len(values), label=r["policy"])
         cdf.set(xscale="log", xlabel="normalised latency (s / output token)", ylabel="fraction of requests",
                 title=f"{w['kind']}: latency CDF")
+        cdf.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         cdf.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
@@ -279,7 +288,19 @@ def plot_policies(workloads: list[dict], path: Path) -> None:
 # ---- the run -----------------------------------------------------------------------------
 
 def add_prediction(row: dict, sim: SimResult | None, model: StepTimeModel) -> dict:
-    """Adds the simulation's iterations and the wall time and tokens/s it predicts to a measured row."""
+    """Adds the simulation's iterations and the wall time and tokens/s it predicts to a measured row,
+    and, per bucket, the runner's measured time against the model's over the same steps (the
+    simulation's steps are the engine's, one for one, so each measured step has its prediction)."""
+    measured = row.pop("step_shapes_and_seconds")
+    row["per_bucket"] = None
+    if sim and [(s.num_tokens, s.num_seqs, s.num_padding_seqs) for s in sim.steps] == [m[0] for m in measured]:
+        per_bucket = defaultdict(lambda: [0, 0.0, 0.0])
+        for step, (_, seconds) in zip(sim.steps, measured):
+            entry = per_bucket["%dx%d" % model.bucket(step.padded_num_tokens, step.padded_num_seqs)]
+            entry[0] += 1
+            entry[1] += seconds
+            entry[2] += model.step_seconds(step)
+        row["per_bucket"] = {b: {"steps": n, "measured_s": m, "model_s": p} for b, (n, m, p) in sorted(per_bucket.items())}
     row["simulated_steps"] = sim.num_steps if sim else None
     row["simulated_preemptions"] = sim.num_preemptions if sim else None
     row["predicted_wall_s"] = predicted_wall_s(sim, model) if sim else None

@@ -47,6 +47,9 @@ def test_policies_through_one_runner_match_the_simulation(tiny_llm, tmp_path):
     assert tiny_llm.num_compilations_after_warmup == 0  # measuring used the compiled buckets only
 
     assert rows["orca"]["simulated_steps"] == rows["orca"]["steps"] and rows["orca"]["predicted_wall_s"] > 0
+    per_bucket = rows["orca"]["per_bucket"]
+    assert sum(b["steps"] for b in per_bucket.values()) == rows["orca"]["steps"]
+    assert sum(b["model_s"] for b in per_bucket.values()) == pytest.approx(rows["orca"]["predicted_wall_s"])
     assert rows["static"]["predicted_tokens_per_s"] is None
     workloads = [{"kind": "tiny", "policies": list(rows.values())}]
     bench.plot_step_times(curves, "tiny", tmp_path / "step.png")
