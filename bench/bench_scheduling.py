@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import statistics
 import sys
@@ -40,14 +41,22 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from simulate import SimConfig, SimResult, StepTimeModel, ideal_ratio, occupancy, predicted_wall_s, simulate  # noqa: E402
-from workloads import build_workload, describe, named_spec, save_jsonl, workload_lengths  # noqa: E402
+from simulate import (
+    SimConfig,
+    SimResult,
+    StepTimeModel,
+    ideal_ratio,
+    occupancy,
+    predicted_wall_s,
+    simulate,
+)
+from workloads import build_workload, describe, named_spec, save_jsonl, workload_lengths
 
-from orca_jax import LLM, SamplingParams  # noqa: E402
-from orca_jax.config import CacheConfig, SchedulerConfig  # noqa: E402
-from orca_jax.engine.engine import LLMEngine  # noqa: E402
-from orca_jax.engine.runner import RunnerStats, StepInputs  # noqa: E402
-from orca_jax.model.paged_attention import PAGES_PER_BLOCK  # noqa: E402
+from orca_jax import LLM, SamplingParams
+from orca_jax.config import SchedulerConfig
+from orca_jax.engine.engine import LLMEngine
+from orca_jax.engine.runner import RunnerStats, StepInputs
+from orca_jax.model.paged_attention import PAGES_PER_BLOCK
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # name -> (scheduling policy, prefix caching)
@@ -113,7 +122,7 @@ def run_policy(llm: LLM, variant: str, workload, max_num_seqs: int, max_num_batc
         times, metrics = runner.token_times[request_id], output.metrics
         assert len(times) == len(output.outputs[0].token_ids) == workload[int(request_id)].max_tokens
         ttft.append(times[0] - metrics.arrival_time)
-        tbt += [b - a for a, b in zip(times, times[1:])]
+        tbt += [b - a for a, b in itertools.pairwise(times)]
         e2e.append(released - metrics.arrival_time)
         normalised.append(e2e[-1] / len(times))
         queue.append(metrics.queue_time)
@@ -296,7 +305,8 @@ def add_prediction(row: dict, sim: SimResult | None, model: StepTimeModel) -> di
     if sim and [(s.num_tokens, s.num_seqs, s.num_padding_seqs) for s in sim.steps] == [m[0] for m in measured]:
         per_bucket = defaultdict(lambda: [0, 0.0, 0.0])
         for step, (_, seconds) in zip(sim.steps, measured):
-            entry = per_bucket["%dx%d" % model.bucket(step.padded_num_tokens, step.padded_num_seqs)]
+            t, s = model.bucket(step.padded_num_tokens, step.padded_num_seqs)
+            entry = per_bucket[f"{t}x{s}"]
             entry[0] += 1
             entry[1] += seconds
             entry[2] += model.step_seconds(step)

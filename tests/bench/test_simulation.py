@@ -6,12 +6,25 @@ import dataclasses
 import random
 
 import pytest
+from simulate import (
+    POLICIES,
+    SimConfig,
+    SimStep,
+    StepTimeModel,
+    ideal_ratio,
+    predicted_wall_s,
+    simulate,
+)
+from workloads import WorkloadSpec, sample_lengths
 
-from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig, load_model_preset
+from orca_jax.config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    load_model_preset,
+)
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.sampling_params import SamplingParams
-from simulate import POLICIES, SimConfig, SimStep, StepTimeModel, ideal_ratio, predicted_wall_s, simulate
-from workloads import WorkloadSpec, sample_lengths
 
 from ..engine.conftest import make_engine as make_tiny_engine
 from ..engine.conftest import warm_tiny_runner
@@ -50,7 +63,7 @@ def sim_plans(result):
 
 
 def lengths_for(seed, regime):
-    max_num_seqs, budget, page_size, num_pages = REGIMES[regime]
+    budget = REGIMES[regime][1]
     max_prompt = min(budget, 40)
     spec = WorkloadSpec(num_requests=24, prompt_dist="uniform", prompt_len=(1, max_prompt),
                         output_dist="zipf" if seed % 2 else "uniform", output_len=(1, 60), seed=seed)

@@ -1,11 +1,19 @@
 """Benchmark workloads: seeded and reproducible, the promised distributions, JSONL round trip."""
 
+import itertools
 import statistics
 
 import pytest
-
-from workloads import (WorkloadRequest, WorkloadSpec, build_workload, load_jsonl, named_spec, sample_arrivals,
-                       sample_lengths, save_jsonl)
+from workloads import (
+    WorkloadRequest,
+    WorkloadSpec,
+    build_workload,
+    load_jsonl,
+    named_spec,
+    sample_arrivals,
+    sample_lengths,
+    save_jsonl,
+)
 
 
 class ByteTokenizer:
@@ -50,7 +58,7 @@ def test_length_distributions():
 @pytest.mark.parametrize("arrival, cv", [("poisson", 1.0), ("gamma", 3.0)])
 def test_arrival_processes_have_the_asked_rate_and_burstiness(arrival, cv):
     arrivals = sample_arrivals(WorkloadSpec(num_requests=5000, arrival=arrival, rate=4.0, cv=cv))
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     assert arrivals[0] == 0 and min(gaps) >= 0
     assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.1)
     assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(cv, rel=0.15)
