@@ -196,12 +196,13 @@ def _serve(args: argparse.Namespace) -> int:
     engine = engine_kwargs(args)
     # A missing checkpoint fails here, before the port opens, with the command that makes it.
     from orca_jax.checkpoint.convert import ensure_pulled
-    from orca_jax.checkpoint.store import CheckpointError, is_complete, missing_checkpoint_message, \
-        resolve_checkpoint_dir
+    from orca_jax.checkpoint.store import (CheckpointError, is_complete, missing_checkpoint_message,
+                                           resolve_checkpoint_dir)
 
     ensure_pulled(engine["model"], log=lambda message: print(message, file=sys.stderr))
-    if not is_complete(resolve_checkpoint_dir(engine["model"])):
-        raise CheckpointError(missing_checkpoint_message(engine["model"], resolve_checkpoint_dir(engine["model"])))
+    checkpoint = resolve_checkpoint_dir(engine["model"])
+    if not is_complete(checkpoint):
+        raise CheckpointError(missing_checkpoint_message(engine["model"], checkpoint))
     settings = ServerSettings(
         model_name=args.served_model_name or str(engine["model"]),
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

@@ -14,8 +14,10 @@ How the threads meet:
    reader on another thread never sees it half-written) and calls `step_listener`, if any, with
    it: that is how /metrics sees the scheduler without touching it.
 5. A request the engine rejects (RequestRejected, a ValueError naming the limit) fails its own
-   iterator with that error. An exception inside a step fails the requests in flight (they are
-   aborted, their pages freed) with EngineStepError, and the thread keeps serving new ones.
+   iterator with that error. When the runner fails a step (StepFailed), only the requests that
+   step scheduled are aborted (pages freed) and failed with EngineStepError; the others, waiting
+   or running, go on. Any other exception inside a step leaves the engine's state unknown, so it
+   fails every request in flight. Either way the thread keeps serving new requests.
 """
 
 from __future__ import annotations
