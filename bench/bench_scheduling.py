@@ -50,7 +50,7 @@ from simulate import (
     predicted_wall_s,
     simulate,
 )
-from workloads import build_workload, describe, named_spec, save_jsonl, workload_lengths
+from workloads import WorkloadSpec, build_workload, describe, named_spec, save_jsonl, workload_lengths
 
 from orca_jax import LLM, SamplingParams
 from orca_jax.config import SchedulerConfig
@@ -328,13 +328,16 @@ def simulated(lengths, variant: str, args, runner) -> SimResult | None:
                                        runner.num_pages))
 
 
-def bench_workload(llm: LLM, kind: str, model: StepTimeModel, args) -> dict:
+def workload_spec(kind: str, args) -> WorkloadSpec:
     overrides = {"shared_prefix": args.shared_prefix}
     if args.prompt_len:
         overrides["prompt_len"] = tuple(args.prompt_len)
     if args.output_len:
         overrides["output_len"] = tuple(args.output_len)
-    spec = named_spec(kind, args.num_requests, args.seed, **overrides)
+    return named_spec(kind, args.num_requests, args.seed, **overrides)
+
+
+def bench_workload(llm: LLM, kind: str, spec: WorkloadSpec, model: StepTimeModel, args) -> dict:
     workload = build_workload(llm.tokenizer, spec)
     if args.save_workloads:
         save_jsonl(workload, args.save_workloads / f"{kind}.jsonl")
@@ -352,7 +355,9 @@ def bench_workload(llm: LLM, kind: str, model: StepTimeModel, args) -> dict:
         row = add_prediction(run_policy(llm, variant, workload, args.max_num_seqs, args.max_num_batched_tokens),
                              sim, model)
         rows.append(row)
-        print(f"{variant:15s} {row['tokens_per_s']:6.1f} tok/s (pred {row['predicted_tokens_per_s'] or 0:6.1f})  "
+        predicted = row["predicted_tokens_per_s"]
+        predicted = "     -" if predicted is None else f"{predicted:6.1f}"  # prefix hits are not modelled
+        print(f"{variant:15s} {row['tokens_per_s']:6.1f} tok/s (pred {predicted})  "
               f"{row['wall_s']:6.1f} s  steps {row['steps']:4d} (sim {row['simulated_steps'] or '-':>4})  "
               f"occupancy {row['mean_occupancy']:4.0%}  wasted slots {row['wasted_decode_slot_fraction']:4.0%}  "
               f"TTFT p50 {row['ttft_s']['p50']:5.2f} s  TBT p50 {1000 * row['tbt_s']['p50']:5.0f} ms  "
@@ -403,11 +408,15 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    try:  # bad workload settings fail here, before minutes of loading and compiling
+        specs = {kind: workload_spec(kind, args) for kind in args.workloads}
+    except ValueError as error:
+        sys.exit(f"error: {error}")
     llm = LLM(args.model, scheduling_policy="chunked", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens)
     print("measuring step times ...", file=sys.stderr, flush=True)
     model, curves = measure_step_times(llm.runner, args.max_num_seqs, tuple(args.contexts))
-    workloads = [bench_workload(llm, kind, model, args) for kind in args.workloads]
+    workloads = [bench_workload(llm, kind, spec, model, args) for kind, spec in specs.items()]
 
     results = {"model": args.model, "backend": jax.default_backend(), "jax": jax.__version__,
                "num_requests": args.num_requests, "max_num_seqs": args.max_num_seqs,

@@ -185,10 +185,11 @@ async def _generate_all(state: ServerState, engine: AsyncLLMEngine, prompts: lis
     try:
         while remaining:
             i, item = await queue.get()
-            if isinstance(item, EngineStepError):
-                state.metrics.requests.labels("error").inc()
-                raise APIError(500, str(item), type="server_error")
             if isinstance(item, Exception):
+                state.metrics.requests.labels("error").inc(remaining * params.n)
+                remaining = 0
+                if isinstance(item, EngineStepError):
+                    raise APIError(500, str(item), type="server_error")
                 raise APIError(400, str(item))
             _observe_tokens(state, item, i, last_token)
             if item.finished:
@@ -197,6 +198,8 @@ async def _generate_all(state: ServerState, engine: AsyncLLMEngine, prompts: lis
                     state.metrics.on_finished(m, c.finish_reason or "abort")
             yield i, item
     finally:
+        if remaining:  # the client went away before these finished
+            state.metrics.requests.labels("cancelled").inc(remaining * params.n)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

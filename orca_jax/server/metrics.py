@@ -53,7 +53,8 @@ class ServerMetrics:
         self.registry.register(_EngineCollector(stats))
         r = self.registry
         self.prompt_tokens = Counter("orca_jax_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.requests = Counter("orca_jax_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.requests = Counter("orca_jax_requests", "Finished sequences by outcome: stop, length, abort, error, "
+                                "cancelled (the client left)", ["outcome"], registry=r)
         self.iteration_tokens = Histogram("orca_jax_iteration_tokens", "Tokens computed per iteration",
                                           buckets=ITERATION_TOKEN_BUCKETS, registry=r)
         self.time_to_first_token = Histogram("orca_jax_time_to_first_token_seconds", "Arrival to first token",

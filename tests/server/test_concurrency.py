@@ -83,10 +83,13 @@ def test_disconnect_mid_stream_frees_pages(smollm2_server):
             assert smollm2_server.engine.kv.num_used_pages > 0  # it is running and holds pages
             response.close()  # the client vanishes mid-stream
 
+    registry = smollm2_server.state.metrics.registry
+    cancelled_before = registry.get_sample_value("orca_jax_requests_total", {"outcome": "cancelled"}) or 0
     asyncio.run(main())
     assert wait_until_idle(smollm2_server)
-    # Aborted long before its 1500 tokens.
+    # Aborted long before its 1500 tokens, and counted as cancelled.
     assert smollm2_server.state.engine.stats.num_steps - steps_before < 200
+    assert registry.get_sample_value("orca_jax_requests_total", {"outcome": "cancelled"}) == cancelled_before + 1
 
 
 def test_disconnect_while_waiting_for_a_whole_response_frees_pages(smollm2_server):
