@@ -134,8 +134,8 @@ def _check_fields(body: dict, honoured: set, accepted: set, unsupported: set, en
                           "fields it takes", field)
 
 
-_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list: "a list",
-               dict: "an object"}
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+               dict: "an object", type(None): "null"}
 
 
 def _get(body: dict, field: str, kind: type, default: Any = None) -> Any:
@@ -151,9 +151,7 @@ def _get(body: dict, field: str, kind: type, default: Any = None) -> Any:
 
 
 def json_type(value: Any) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-             dict: "an object", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
+    return _TYPE_NAMES.get(type(value), type(value).__name__)
 
 
 def _model(body: dict) -> str | None:
