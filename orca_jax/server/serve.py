@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import time
 from typing import Callable
 
 from aiohttp import web
@@ -69,11 +68,10 @@ async def serve(settings: ServerSettings, engine_factory: Callable[[], AsyncLLME
 async def _drain(state: ServerState, site: web.TCPSite, timeout: float) -> None:
     state.draining = True
     await site.stop()  # no new connections; open ones get 503 from now on
-    in_flight = len(state.handler_tasks)
-    log.info("draining: %d request(s) in flight, waiting up to %.0f s", in_flight, timeout)
-    deadline = time.monotonic() + timeout
-    while state.handler_tasks and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    in_flight = set(state.handler_tasks)
+    log.info("draining: %d request(s) in flight, waiting up to %.0f s", len(in_flight), timeout)
+    if in_flight:
+        await asyncio.wait(in_flight, timeout=timeout)
     left = list(state.handler_tasks)
     for task in left:
         task.cancel()
