@@ -22,7 +22,12 @@ from orca_jax.tokenizer import Tokenizer
 
 
 class RequestRejected(ValueError):
-    """A request that can never be served under the current limits; the message names the limit."""
+    """A request that can never be served under the current limits; the message names the limit.
+    `code` is a machine-readable reason where clients know one (OpenAI's "context_length_exceeded")."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 class StepFailed(RuntimeError):
@@ -122,7 +127,8 @@ class LLMEngine:
         if total > self.max_model_len:
             raise RequestRejected(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
-                f"context length of {self.max_model_len} tokens; shorten the prompt or lower max_tokens")
+                f"context length of {self.max_model_len} tokens; shorten the prompt or lower max_tokens",
+                code="context_length_exceeded")
         capacity = self.kv.num_pages * self.kv.page_size
         if total > capacity:
             raise RequestRejected(

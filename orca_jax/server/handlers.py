@@ -16,6 +16,7 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from orca_jax.engine.async_engine import AsyncLLMEngine, EngineStepError
+from orca_jax.engine.engine import RequestRejected
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.server import responses
@@ -162,8 +163,8 @@ def _decode(engine: AsyncLLMEngine, ids: list[int]) -> str:
 def _validate(engine: AsyncLLMEngine, ids: list[int], params: SamplingParams) -> None:
     try:
         engine.engine.validate(ids, params)
-    except ValueError as error:  # RequestRejected: the message names the limit
-        raise APIError(400, str(error), code="context_length_exceeded" if "context length" in str(error) else None)
+    except RequestRejected as error:  # the message names the limit
+        raise APIError(400, str(error), code=error.code) from error
 
 
 async def _generate_all(state: ServerState, engine: AsyncLLMEngine, prompts: list[tuple[str | None, list[int]]],

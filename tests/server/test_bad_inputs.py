@@ -107,3 +107,8 @@ def test_a_good_request_still_works_after_the_battery(tiny_server):
     body = json.loads(raw)
     assert body["choices"][0]["text"] == " 5 6 7 8" and body["usage"]["completion_tokens"] == 4
     assert tiny_server.engine.kv.num_free_pages == tiny_server.engine.kv.num_pages
+
+
+def test_context_length_errors_carry_openais_code(tiny_server):
+    status, _, raw = http(tiny_server, "POST", "/v1/completions", {**GOOD, "max_tokens": 10**9})
+    assert status == 400 and json.loads(raw)["error"]["code"] == "context_length_exceeded"
