@@ -27,7 +27,7 @@ from orca_jax.engine.engine import LLMEngine
 from orca_jax.sampling_params import SamplingParams
 
 from ..engine.conftest import make_engine as make_tiny_engine
-from ..engine.conftest import warm_tiny_runner
+from ..conftest import warm_tiny_runner
 from ..engine.mock_runner import MockRunner
 
 VOCAB = 1000

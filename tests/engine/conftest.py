@@ -4,8 +4,6 @@ engine, so one runner (one set of compiled buckets) serves engines of every poli
 from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
 from orca_jax.engine.engine import LLMEngine
 
-from ..conftest import warm_tiny_runner  # noqa: F401 - re-exported for tests that build their own runner
-
 TINY_LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=64)
 SMOLLM2_LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=128)
 
