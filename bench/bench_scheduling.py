@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import itertools
 import json
-import statistics
 import sys
 import time
 from collections import defaultdict
@@ -50,6 +49,7 @@ from simulate import (
     predicted_wall_s,
     simulate,
 )
+from stats import percentiles
 from workloads import WorkloadSpec, build_workload, describe, named_spec, save_jsonl, workload_lengths
 
 from orca_jax import LLM, SamplingParams
@@ -85,15 +85,6 @@ class TimingRunner:
             self.token_times[request_id].append(now)
         self.steps.append((plan.num_batched_tokens, len(plan.scheduled), plan.num_padding_seqs))
         return sampled
-
-
-def percentiles(values: list[float]) -> dict:
-    if not values:
-        return {}
-    ordered = sorted(values)
-    def at(q):
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-    return {"mean": statistics.fmean(ordered), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
 
 
 def run_policy(llm: LLM, variant: str, workload, max_num_seqs: int, max_num_batched_tokens: int) -> dict:

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stats import percentiles  # noqa: E402
 from workloads import build_workload, load_jsonl, named_spec  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -103,12 +103,10 @@ async def run_rate(url: str, model: str, workload, rate: float, max_concurrency:
     return summarize(results, wall, rate, max_concurrency)
 
 
-def percentiles(values, name: str) -> dict:
-    values = [v for v in values if not math.isnan(v)]
-    if not values:
-        return {}
-    p50, p90, p99 = np.percentile(values, [50, 90, 99])
-    return {f"{name}_p50": p50, f"{name}_p90": p90, f"{name}_p99": p99, f"{name}_mean": float(np.mean(values))}
+def flat_percentiles(values, name: str) -> dict:
+    """stats.percentiles of the measured values (NaN: not measured), as flat `<name>_p50` keys."""
+    summary = percentiles([v for v in values if not math.isnan(v)])
+    return {f"{name}_{key}": value for key, value in summary.items()}
 
 
 def summarize(results: list[RequestResult], wall: float, rate: float, max_concurrency: int | None) -> dict:
@@ -117,10 +115,10 @@ def summarize(results: list[RequestResult], wall: float, rate: float, max_concur
     row = {"rate": rate if math.isfinite(rate) else "inf", "max_concurrency": max_concurrency,
            "requests": len(results), "ok": len(ok), "errors": sorted({r.error for r in results if not r.ok})[:5],
            "wall_s": wall, "request_throughput": len(ok) / wall, "output_throughput": tokens / wall}
-    row.update(percentiles([r.ttft_s for r in ok], "ttft_s"))
-    row.update(percentiles([g for r in ok for g in r.token_gaps_s], "itl_s"))
-    row.update(percentiles([r.e2e_s for r in ok], "e2e_s"))
-    row.update(percentiles([r.e2e_s / r.output_tokens for r in ok], "normalized_s_per_token"))
+    row.update(flat_percentiles([r.ttft_s for r in ok], "ttft_s"))
+    row.update(flat_percentiles([g for r in ok for g in r.token_gaps_s], "itl_s"))
+    row.update(flat_percentiles([r.e2e_s for r in ok], "e2e_s"))
+    row.update(flat_percentiles([r.e2e_s / r.output_tokens for r in ok], "normalized_s_per_token"))
     return row
 
 
