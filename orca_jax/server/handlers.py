@@ -231,12 +231,12 @@ async def _send_events(request: web.Request, chunks: AsyncIterator[dict]) -> web
     """Server-sent events: `data: <json>` per chunk, then `data: [DONE]`. A failure mid-stream is sent
     as an error event (the status line has already gone out as 200)."""
     response = web.StreamResponse(headers=SSE_HEADERS)
-    first = await anext(chunks, None)  # a failure before the first chunk still gets a proper status
+    chunk = await anext(chunks, None)  # a failure before the first chunk still gets a proper status
     await response.prepare(request)
     try:
-        while first is not None:
-            await response.write(f"data: {json.dumps(first)}\n\n".encode())
-            first = await anext(chunks, None)
+        while chunk is not None:
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            chunk = await anext(chunks, None)
     except APIError as error:
         await response.write(f"data: {json.dumps(error.body())}\n\n".encode())
     except ConnectionResetError:  # the client left; closing `chunks` (the caller's aclosing) aborts it
