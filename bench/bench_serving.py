@@ -112,6 +112,7 @@ def flat_percentiles(values, name: str) -> dict:
 def summarize(results: list[RequestResult], wall: float, rate: float, max_concurrency: int | None) -> dict:
     ok = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in ok)
+    # "errors": up to 5 distinct messages; how many failed is requests - ok.
     row = {"rate": rate if math.isfinite(rate) else "inf", "max_concurrency": max_concurrency,
            "requests": len(results), "ok": len(ok), "errors": sorted({r.error for r in results if not r.ok})[:5],
            "wall_s": wall, "request_throughput": len(ok) / wall, "output_throughput": tokens / wall}
@@ -163,8 +164,9 @@ def start_server(policy: str, port: int, args: argparse.Namespace) -> subprocess
     command = [sys.executable, "-m", "orca_jax.cli", "serve", "--model", args.model, "--policy", policy,
                "--port", str(port), "--served-model-name", "bench", "--max-num-seqs", str(args.max_num_seqs),
                "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-queued-requests", "100000"]
-    log = open(RESULTS / f"serving_{policy}.log", "w")
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    with open(RESULTS / f"serving_{policy}.log", "w") as log:  # the child keeps its own copy of the handle
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 async def sweep(url: str, model: str, workload, args: argparse.Namespace, label: str) -> list[dict]:
