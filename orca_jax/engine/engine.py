@@ -115,6 +115,12 @@ class LLMEngine:
             self._samples[sample.request.request_id] = (group, sample)
         return request_id
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + output) one request can ever hold: the context length, or the
+        whole KV cache if that is smaller."""
+        return min(self.max_model_len, self.kv.num_pages * self.kv.page_size)
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises RequestRejected, naming the limit, for a request that could never be served."""
         if not prompt_ids:
@@ -129,10 +135,9 @@ class LLMEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
                 f"context length of {self.max_model_len} tokens; shorten the prompt or lower max_tokens",
                 code="context_length_exceeded")
-        capacity = self.kv.num_pages * self.kv.page_size
-        if total > capacity:
+        if total > self.max_request_tokens:  # the context fits (checked above), so the KV cache is the limit
             raise RequestRejected(
-                f"prompt + max_tokens = {total} tokens exceeds the whole KV cache ({capacity} tokens); "
+                f"prompt + max_tokens = {total} tokens exceeds the whole KV cache ({self.max_request_tokens} tokens); "
                 "raise kv_cache_memory or lower max_tokens")
         policy, budget = self.config.scheduler.policy, self.config.scheduler.max_num_batched_tokens
         if policy != "chunked" and len(prompt_ids) > budget:  # the others prefill a prompt in one step

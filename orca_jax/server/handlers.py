@@ -120,7 +120,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _, ids = _tokenize(engine, text)
     params = req.params
     if not req.max_tokens_given:  # OpenAI's default: whatever room the context leaves
-        room = min(engine.engine.max_model_len, engine.engine.kv.num_pages * engine.engine.kv.page_size) - len(ids)
+        room = engine.engine.max_request_tokens - len(ids)
         params = params.clone(max_tokens=max(room, 1, params.min_tokens))
     _validate(engine, ids, params)
     with state.admitted(params.n):
