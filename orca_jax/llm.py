@@ -8,13 +8,11 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Sequence, Union
 
 from orca_jax.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from orca_jax.engine.engine import LLMEngine, bytes_per_kv_page
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
 
@@ -39,15 +37,15 @@ class LLM:
         token_buckets: Sequence[int] | None = None,
         seq_buckets: Sequence[int] | None = None,
         show_progress: bool = True,
+        config: EngineConfig | None = None,
     ):
         """`model`: a preset name (pulled on first use if it has published weights) or a checkpoint
-        directory. `kv_cache_memory`: bytes of KV cache. `token_buckets` / `seq_buckets` override the
-        compiled step shapes (default: powers of two up to the limits)."""
-        from orca_jax.checkpoint.convert import ensure_pulled
-        from orca_jax.checkpoint.store import load_model
-        from orca_jax.engine.runner import Buckets, ModelRunner
+        directory. `kv_cache_memory`: bytes of KV cache per device. `token_buckets` / `seq_buckets`
+        override the compiled step shapes (default: powers of two up to the limits). `config`: a whole
+        EngineConfig (e.g. from a TOML file), used instead of the engine keyword arguments."""
+        from orca_jax.engine.builder import BuildOptions, build_engine
 
-        self.config = EngineConfig(
+        self.config = config or EngineConfig(
             model=str(model),
             attention_impl=attention_impl,
             cache=CacheConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
@@ -57,34 +55,12 @@ class LLM:
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                     pipeline_parallel_size=pipeline_parallel_size),
         )
-        ensure_pulled(model, log=lambda message: print(message, file=sys.stderr))
-        loaded = load_model(model)
-        model_config = loaded.config
-        max_model_len = max_model_len or model_config.max_position
-        if max_model_len > model_config.max_position:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length "
-                             f"{model_config.max_position}")
-        page_bytes = bytes_per_kv_page(model_config, page_size)
-        num_pages = kv_cache_memory // page_bytes
-        if num_pages < 2:
-            raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds {num_pages} pages of {page_bytes} bytes; "
-                             f"give at least {2 * page_bytes} bytes")
-        buckets = Buckets.for_limits(max_num_batched_tokens, max_num_seqs)
-        if token_buckets or seq_buckets:
-            buckets = Buckets(tokens=tuple(sorted(token_buckets or buckets.tokens)),
-                              seqs=tuple(sorted(seq_buckets or buckets.seqs)))
-            _check_buckets(buckets, max_num_batched_tokens, max_num_seqs)
-        impl = resolve_attention_impl(attention_impl)
-        runner = ModelRunner(loaded.model, num_pages=num_pages, page_size=page_size, max_model_len=max_model_len,
-                             buckets=buckets, attention_impl=impl, parallel=self.config.parallel)
+        options = BuildOptions(max_model_len=max_model_len, token_buckets=token_buckets, seq_buckets=seq_buckets,
+                               show_progress=show_progress)
+        self.engine = build_engine(self.config, options)
+        self.runner = self.engine.runner
+        self.tokenizer = self.engine.tokenizer
         self.show_progress = show_progress
-        if show_progress:
-            print(f"orca_jax: {model_config.name}, policy {scheduling_policy}, {num_pages} KV pages x {page_size} "
-                  f"tokens ({num_pages * page_bytes / 2**20:.0f} MiB), attention {impl}", file=sys.stderr)
-        runner.warm_up(show_progress=show_progress)
-        self.runner = runner
-        self.tokenizer = loaded.tokenizer
-        self.engine = LLMEngine(self.config, model_config, runner, loaded.tokenizer, max_model_len)
 
     @property
     def num_compilations_after_warmup(self) -> int:
@@ -155,28 +131,3 @@ class LLM:
                     bar.set_postfix(tok_s=f"{(self.engine.num_generated_tokens - tokens_before) / elapsed:.1f}")
         bar.close()
         return [finished[i] for i in request_ids]
-
-
-def resolve_attention_impl(requested: str, backend: str | None = None) -> str:
-    """Picks the attention implementation for this backend.
-
-    auto: the Pallas kernel on GPU; the XLA implementation elsewhere, because on CPU Pallas only
-    runs in interpret mode, which is far slower (see README, "Attention implementations").
-    pallas: compiled on GPU; in interpret mode elsewhere (correct, slow).
-    """
-    import jax
-
-    backend = backend or jax.default_backend()
-    if requested == "xla":
-        return "xla"
-    if requested == "pallas":
-        return "pallas" if backend == "gpu" else "pallas-interpret"
-    if requested == "auto":
-        return "pallas" if backend == "gpu" else "xla"
-    raise ValueError(f"attention_impl={requested!r}; choose 'auto', 'pallas' or 'xla'")
-
-
-def _check_buckets(buckets, max_tokens: int, max_seqs: int) -> None:
-    if buckets.tokens[-1] != max_tokens or buckets.seqs[-1] != max_seqs:
-        raise ValueError(f"the largest buckets must equal the limits: tokens {buckets.tokens} must end at "
-                         f"max_num_batched_tokens={max_tokens}, seqs {buckets.seqs} at max_num_seqs={max_seqs}")

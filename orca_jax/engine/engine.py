@@ -1,6 +1,12 @@
-"""LLMEngine: add_request / abort / step. One step = schedule -> run -> postprocess -> outputs.
+"""LLMEngine: add_request / abort / step. One step = schedule -> dispatch -> collect -> postprocess -> outputs.
 
 Pure Python: the runner is the only part that touches jax.
+
+Batches in flight (Orca's n_workers): with a pipelined runner (`runner.max_in_flight` > 1) a step
+dispatches a new iteration and returns without waiting while the pipeline has room and the
+scheduler found work for it; it waits only for the oldest iteration's result, when the pipeline is
+full or nothing else can be scheduled. A request is in at most one iteration in flight (the
+scheduler skips `request.in_flight`). With one stage every step dispatches and collects at once.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ import dataclasses
 import itertools
 import random
 import time
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from orca_jax.config import EngineConfig, ModelConfig
@@ -16,6 +23,7 @@ from orca_jax.engine.detokenizer import IncrementalDetokenizer
 from orca_jax.engine.kv_manager import KVCacheManager
 from orca_jax.engine.request import Request, RequestStatus
 from orca_jax.engine.scheduler import Scheduler, SchedulerOutput
+from orca_jax.engine.step_plan import Runner
 from orca_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from orca_jax.sampling_params import MAX_STOP_IDS, SamplingParams
 from orca_jax.tokenizer import Tokenizer
@@ -62,13 +70,8 @@ class _Group:
         return all(s.released for s in self.samples)
 
 
-def bytes_per_kv_page(model: ModelConfig, page_size: int) -> int:
-    itemsize = 2 if model.dtype in ("bfloat16", "float16") else 4
-    return model.n_layers * 2 * page_size * model.n_kv_heads * model.head_dim * itemsize
-
-
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, runner, tokenizer: Tokenizer | None,
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, runner: Runner, tokenizer: Tokenizer | None,
                  max_model_len: int | None = None):
         """`runner` executes SchedulerOutputs (the ModelRunner, or a mock in scheduler tests)."""
         self.config = config
@@ -87,6 +90,8 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.last_step_num_tokens = 0  # tokens computed by the latest step (prompt chunks and decodes)
         self.step_time_s = 0.0  # wall time inside step(), host work and device work together
+        self.in_flight: deque[tuple[SchedulerOutput, object]] = deque()  # dispatched, oldest first
+        self.in_flight_depths: Counter[int] = Counter()  # iterations in flight right after each dispatch
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -180,7 +185,7 @@ class LLMEngine:
             del self._samples[sample.request.request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.in_flight)
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -193,18 +198,43 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         touched, self._released_by_abort = self._released_by_abort, {}
-        plan: SchedulerOutput = self.scheduler.schedule()
-        advanced, sampled = [], {}
-        if not plan.empty:
-            try:
-                sampled = self.runner.execute(plan)
-            except Exception as error:
-                groups = dict.fromkeys(self._samples[s.request.request_id][0].request_id for s in plan.scheduled)
-                raise StepFailed(list(groups), error) from error
-            self.num_steps += 1
-            self.last_step_num_tokens = plan.num_batched_tokens
-            advanced = self.scheduler.update_after_step(plan, {rid: s.token for rid, s in sampled.items()})
-            self.num_generated_tokens += len(advanced)
+        dispatched = False
+        if len(self.in_flight) < self.runner.max_in_flight:
+            plan: SchedulerOutput = self.scheduler.schedule()
+            if not plan.empty:
+                self._dispatch(plan)
+                dispatched = True
+        # Keep filling the pipeline while it has room and work; otherwise wait for the oldest step.
+        if self.in_flight and not (dispatched and len(self.in_flight) < self.runner.max_in_flight):
+            self._collect_oldest(touched)
+        outputs = [self._output(g) for g in touched.values()]
+        for group in touched.values():
+            if group.finished:
+                self._forget(group)
+        return outputs
+
+    def _dispatch(self, plan: SchedulerOutput) -> None:
+        try:
+            pending = self.runner.dispatch(plan)
+        except Exception as error:
+            raise self._step_failed(plan, error) from error
+        for planned in plan.scheduled:
+            planned.request.in_flight = True
+        self.in_flight.append((plan, pending))
+        self.in_flight_depths[len(self.in_flight)] += 1
+
+    def _collect_oldest(self, touched: dict[str, _Group]) -> None:
+        plan, pending = self.in_flight.popleft()
+        for planned in plan.scheduled:
+            planned.request.in_flight = False
+        try:
+            sampled = self.runner.collect(pending)
+        except Exception as error:
+            raise self._step_failed(plan, error) from error
+        self.num_steps += 1
+        self.last_step_num_tokens = plan.num_batched_tokens
+        advanced = self.scheduler.update_after_step(plan, {rid: s.token for rid, s in sampled.items()})
+        self.num_generated_tokens += len(advanced)
         for request in advanced:
             group, sample = self._samples[request.request_id]
             self._record(sample, sampled[request.request_id])
@@ -213,11 +243,12 @@ class LLMEngine:
                 self._release(self.scheduler.finish(request, status), touched)
             if self.config.scheduler.policy != "static":  # static releases whole batches only
                 touched[group.request_id] = group
-        outputs = [self._output(g) for g in touched.values()]
-        for group in touched.values():
-            if group.finished:
-                self._forget(group)
-        return outputs
+
+    def _step_failed(self, plan: SchedulerOutput, error: Exception) -> StepFailed:
+        """The groups of the failed step's requests that are still known (aborted ones are not)."""
+        groups = dict.fromkeys(self._samples[s.request.request_id][0].request_id for s in plan.scheduled
+                               if s.request.request_id in self._samples)
+        return StepFailed(list(groups), error)
 
     def _record(self, sample: _Sample, sampled) -> None:
         request = sample.request

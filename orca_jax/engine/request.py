@@ -34,6 +34,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)  # KV page ids, in order
     stop_reason: int | str | None = None  # the stop token or stop string that ended it
+    in_flight: bool = False  # in a dispatched step whose result is not back yet: not schedulable
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -19,6 +19,10 @@ The policies (DESIGN.md):
   done in budget-sized pieces (a prompt itself always fits: the engine checks at admission).
 - chunked (Sarathi-Serve): like paged, but decodes are scheduled first and prompts are split into
   chunks that fill the rest of the token budget.
+
+Under pipeline parallelism the engine keeps several steps in flight; a request in one of them
+(`request.in_flight`) is skipped until its result is back, and is never chosen as a victim (a
+dispatched step is writing its pages). Each step thus plans the requests the others do not hold.
 """
 
 from __future__ import annotations
@@ -112,7 +116,7 @@ class Scheduler:
         # Running requests: decodes first (chunked), then unfinished prefills; admission order.
         running = sorted(self.running, key=lambda r: r.num_uncomputed_tokens > 1) if chunked else list(self.running)
         for request in running:
-            if request.status != RequestStatus.RUNNING or budget == 0:
+            if request.status != RequestStatus.RUNNING or request.in_flight or budget == 0:
                 continue
             # Beyond `chunked`, only the recompute of a preempted request can exceed the budget; it
             # continues in budget-sized pieces.
@@ -130,7 +134,8 @@ class Scheduler:
         while not self.kv.allocate(request, target):
             if self.config.policy == "orca":
                 raise AssertionError("orca reserved every page at admission; allocation cannot fail")
-            victim = min(self.running, key=lambda r: (r.num_computed_tokens, -r.metrics.arrival_time))
+            victim = min((r for r in self.running if not r.in_flight),
+                         key=lambda r: (r.num_computed_tokens, -r.metrics.arrival_time))
             self._preempt(victim, out)
             if victim is request:
                 return False
@@ -180,6 +185,8 @@ class Scheduler:
         (whole prompts, as many per step as the token budget holds), then decode the whole batch
         together until its last member finishes."""
         out = SchedulerOutput()
+        if any(r.in_flight for r in self.running):
+            return out  # the batch steps as one: wait for its step in flight
         if not self.running:
             while self.waiting and len(self.running) < self.config.max_num_seqs:
                 if not self.kv.allocate(self.waiting[0], self.waiting[0].max_total_tokens):
@@ -217,6 +224,8 @@ class Scheduler:
         advanced = []
         for planned in out.scheduled:
             request = planned.request
+            if request.finished:
+                continue  # aborted while its step was in flight: its pages are already freed
             request.num_computed_tokens = planned.start + planned.num_new_tokens
             # Only now is their K/V written, so only now may other requests share these pages.
             self.kv.cache_full_pages(request, request.num_computed_tokens)

@@ -3,13 +3,16 @@
 Every token of every request sits on one axis `T`; `segment_ids[T]` says which request a token
 belongs to and `positions[T]` where it sits in that request. Two paths: `attend`, a dense
 segment-masked attention among the tokens of one call (no cache), and, with the engine's paged KV
-cache, `write_kv` + `ragged_paged_attention`, the single call site of the kernel contract.
+cache, a `PagedAttention` function: `paged_attention.paged_attention` (write the new K/V, then the
+kernel contract), chosen once by the runner, which wraps it per shard under tensor parallelism. The
+model never names an implementation or a mesh axis.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,11 +20,12 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from orca_jax.model.layers import Dense
-from orca_jax.model.paged_attention import MASK_VALUE, ragged_paged_attention, write_kv
+from orca_jax.model.paged_attention import MASK_VALUE, paged_attention
 from orca_jax.model.rotary import apply_rope
 
 KVCache = tuple[jax.Array, jax.Array]  # one layer's (k_pages, v_pages), each [P, page, K, Dh]
-
+# (q [T,H,Dh], k [T,K,Dh], v [T,K,Dh], kv, meta, *, sm_scale) -> (out [T,H,Dh], kv): see paged_attention.
+PagedAttention = Callable[..., tuple[jax.Array, KVCache]]
 
 
 @jax.tree_util.register_dataclass
@@ -39,7 +43,6 @@ class AttentionMetadata:
     slot_mapping: Int[Array, " T"] | None = None  # cache slot each new K/V is written to
     block_tables: Int[Array, "S max_pages"] | None = None  # KV pages of each sequence
     kv_lens: Int[Array, " S"] | None = None  # cached tokens per sequence after this call's writes
-    attention_impl: str = dataclasses.field(default="xla", metadata=dict(static=True))
 
 
 def attend(
@@ -88,7 +91,8 @@ class Attention(nnx.Module):
         self.sm_scale = 1.0 / math.sqrt(head_dim)
 
     def __call__(
-        self, x: Float[Array, "T D"], meta: AttentionMetadata, kv: KVCache | None = None
+        self, x: Float[Array, "T D"], meta: AttentionMetadata, kv: KVCache | None = None,
+        attention: PagedAttention = paged_attention,
     ) -> tuple[Float[Array, "T D"], KVCache | None]:
         q, k, v = self.q(x), self.k(x), self.v(x)  # [T, H, Dh], [T, K, Dh], [T, K, Dh]
         if self.rope_theta is not None:
@@ -96,9 +100,5 @@ class Attention(nnx.Module):
             k = apply_rope(k, meta.positions, self.rope_theta)
         if kv is None:
             return self.o(attend(q, k, v, meta, self.sm_scale)), None
-        k_pages, v_pages = write_kv(*kv, k, v, meta.slot_mapping)
-        out = ragged_paged_attention(
-            q, k_pages, v_pages, meta.segment_ids, meta.positions, meta.block_tables, meta.kv_lens,
-            sm_scale=self.sm_scale, impl=meta.attention_impl,
-        )
-        return self.o(out), (k_pages, v_pages)
+        out, kv = attention(q, k, v, kv, meta, sm_scale=self.sm_scale)
+        return self.o(out), kv

@@ -8,7 +8,8 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from orca_jax.config import ModelConfig
-from orca_jax.model.attention import Attention, AttentionMetadata, KVCache
+from orca_jax.model.attention import Attention, AttentionMetadata, KVCache, PagedAttention
+from orca_jax.model.paged_attention import paged_attention
 from orca_jax.model.layers import Embed, GeluMLP, LayerNorm, RMSNorm, SwiGLU
 
 # Every logical axis name a parameter may carry; the parallelism rules table maps each to a mesh
@@ -30,9 +31,10 @@ class DecoderLayer(nnx.Module):
         self.mlp = mlp(config.d_model, config.d_ff, dtype, rngs)
 
     def __call__(
-        self, x: Float[Array, "T D"], meta: AttentionMetadata, kv: KVCache | None = None
+        self, x: Float[Array, "T D"], meta: AttentionMetadata, kv: KVCache | None = None,
+        attention: PagedAttention = paged_attention,
     ) -> tuple[Float[Array, "T D"], KVCache | None]:
-        attn_out, kv = self.attn(self.attn_norm(x), meta, kv)
+        attn_out, kv = self.attn(self.attn_norm(x), meta, kv, attention)
         x = x + attn_out
         return x + self.mlp(self.mlp_norm(x)), kv
 
@@ -81,21 +83,72 @@ class Decoder(nnx.Module):
         meta: AttentionMetadata,
         kv_caches: list[KVCache] | None,
         logits_index: Int[Array, " S"] | None = None,
+        attention: PagedAttention = paged_attention,
     ) -> tuple[Float[Array, "T V"] | Float[Array, "S V"], list[KVCache] | None]:
-        """The engine's entry point: with `kv_caches` (one (k_pages, v_pages) per layer) the new
-        tokens' K/V are written and attention reads the cache; returns the updated caches."""
-        x = self.embed(token_ids)  # [T, D]
-        if self.pos_embed is not None:
-            x = x + self.pos_embed(meta.positions)
-        new_caches = []
-        for i, layer in enumerate(self.layers):
-            x, kv = layer(x, meta, None if kv_caches is None else kv_caches[i])
-            new_caches.append(kv)
-        if logits_index is not None:
-            x = x[logits_index]  # [S, D]
-        x = self.final_norm(x)
-        head = self.embed if self.lm_head is None else self.lm_head
-        return head.attend(x).astype(jnp.float32), (None if kv_caches is None else new_caches)
+        """The whole model in one call: with `kv_caches` (one (k_pages, v_pages) per layer) the new
+        tokens' K/V are written and attention reads the cache; returns the updated caches. The
+        engine runs the same computation as `DecoderStage`s (one, or one per pipeline stage)."""
+        x = embed_tokens(self.embed, self.pos_embed, token_ids, meta.positions)
+        x, kv_caches = run_layers(self.layers, x, meta, kv_caches, attention)
+        return project_logits(self.final_norm, self.embed if self.lm_head is None else self.lm_head, x, logits_index), kv_caches
+
+
+class DecoderStage(nnx.Module):
+    """A contiguous run of a decoder's layers: one pipeline stage's parameters and computation.
+
+    The first stage also embeds the token ids; the last also applies the final norm and the LM head
+    (with tied embeddings it holds the embedding matrix for that). It refers to the decoder's own
+    submodules (nothing is copied), so `nnx.split(stage)` gives exactly the parameters the stage's
+    devices must hold. With one stage it is the whole decoder.
+    """
+
+    def __init__(self, decoder: Decoder, layers: range, *, first: bool, last: bool):
+        self.first, self.last = first, last
+        self.embed = decoder.embed if first else None
+        self.pos_embed = decoder.pos_embed if first else None
+        self.layers = nnx.List([decoder.layers[i] for i in layers])
+        self.final_norm = decoder.final_norm if last else None
+        self.head = (decoder.embed if decoder.lm_head is None else decoder.lm_head) if last else None
+
+    def __call__(
+        self,
+        inputs: Int[Array, " T"] | Float[Array, "T D"],
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+        logits_index: Int[Array, " S"],
+        attention: PagedAttention,
+    ) -> tuple[Float[Array, "T D"] | Float[Array, "S V"], list[KVCache]]:
+        """`inputs`: token ids for the first stage, the previous stage's activations otherwise.
+        Returns activations [T, D] for the next stage, or the last stage's logits [S, V]."""
+        x = embed_tokens(self.embed, self.pos_embed, inputs, meta.positions) if self.first else inputs
+        x, kv_caches = run_layers(self.layers, x, meta, kv_caches, attention)
+        if self.last:
+            x = project_logits(self.final_norm, self.head, x, logits_index)
+        return x, kv_caches
+
+
+def embed_tokens(embed: Embed, pos_embed: Embed | None, token_ids: Int[Array, " T"],
+                 positions: Int[Array, " T"]) -> Float[Array, "T D"]:
+    x = embed(token_ids)
+    return x if pos_embed is None else x + pos_embed(positions)
+
+
+def run_layers(layers, x: Float[Array, "T D"], meta: AttentionMetadata, kv_caches: list[KVCache] | None,
+               attention: PagedAttention) -> tuple[Float[Array, "T D"], list[KVCache] | None]:
+    new_caches = []
+    for i, layer in enumerate(layers):
+        x, kv = layer(x, meta, None if kv_caches is None else kv_caches[i], attention)
+        new_caches.append(kv)
+    return x, (None if kv_caches is None else new_caches)
+
+
+def project_logits(final_norm, head: Embed, x: Float[Array, "T D"],
+                   logits_index: Int[Array, " S"] | None) -> Float[Array, "T V"] | Float[Array, "S V"]:
+    """Float32 logits at every token, or only at `logits_index` (each sequence's last token when
+    generating, which skips most of the LM head)."""
+    if logits_index is not None:
+        x = x[logits_index]  # [S, D]
+    return head.attend(final_norm(x)).astype(jnp.float32)
 
 
 def init_decoder(config: ModelConfig, seed: int = 0) -> Decoder:

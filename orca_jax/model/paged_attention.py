@@ -144,8 +144,30 @@ ATTENTION_IMPLS = {
 }
 
 
-def ragged_paged_attention(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens, *,
-                           sm_scale: float, impl: str = "xla"):
-    """The one call site of the kernel contract; `impl` picks the implementation."""
-    return ATTENTION_IMPLS[impl](q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens,
-                                 sm_scale=sm_scale)
+def resolve_attention_impl(requested: str, platform: str) -> str:
+    """Picks the implementation for a device platform ("cpu", "gpu", ...), once, when the step
+    function is built.
+
+    auto: the Pallas kernel on GPU; the XLA implementation elsewhere, because on CPU Pallas only
+    runs in interpret mode, which is far slower (see README, "Attention implementations").
+    pallas: compiled on GPU; in interpret mode elsewhere (correct, slow).
+    xla, pallas-interpret: as named.
+    """
+    if requested in ("xla", "pallas-interpret"):
+        return requested
+    if requested == "pallas":
+        return "pallas" if platform == "gpu" else "pallas-interpret"
+    if requested == "auto":
+        return "pallas" if platform == "gpu" else "xla"
+    raise ValueError(f"attention_impl={requested!r}; choose 'auto', 'pallas' or 'xla'")
+
+
+def paged_attention(q: Float[Array, "T H Dh"], k: Float[Array, "T K Dh"], v: Float[Array, "T K Dh"],
+                    kv: tuple[KVPages, KVPages], meta, *, sm_scale: float, impl: str = "xla"):
+    """One layer's cache step: writes this call's K/V into the pages, then attends over them with
+    the implementation `impl`. Returns (out [T, H, Dh], (k_pages, v_pages)). `meta` is the layer's
+    AttentionMetadata. Under tensor parallelism this whole function runs per shard of heads."""
+    k_pages, v_pages = write_kv(*kv, k, v, meta.slot_mapping)
+    out = ATTENTION_IMPLS[impl](q, k_pages, v_pages, meta.segment_ids, meta.positions, meta.block_tables,
+                                meta.kv_lens, sm_scale=sm_scale)
+    return out, (k_pages, v_pages)

@@ -1,5 +1,6 @@
-"""Device meshes and the logical-axis rules that place parameters and KV pages on them."""
+"""Scale-out: the logical-axis rules and stage meshes (mesh.py), tensor-parallel attention
+(tensor_parallel.py), layouts and their checks (layout.py, no jax)."""
 
-from orca_jax.parallel.mesh import LOGICAL_AXIS_RULES, kv_cache_sharding, make_mesh, param_shardings
+from orca_jax.parallel.mesh import LOGICAL_AXIS_RULES, kv_cache_sharding, param_shardings, stage_meshes
 
-__all__ = ["LOGICAL_AXIS_RULES", "kv_cache_sharding", "make_mesh", "param_shardings"]
+__all__ = ["LOGICAL_AXIS_RULES", "kv_cache_sharding", "param_shardings", "stage_meshes"]

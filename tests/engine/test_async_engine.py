@@ -71,16 +71,16 @@ def test_rejected_request_fails_only_itself(async_engine):
 
 def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(async_engine):
     runner = async_engine.engine.runner
-    real_execute = runner.execute
+    real_dispatch = runner.dispatch
     calls = {"n": 0}
 
     def flaky(plan):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("device fell over")
-        return real_execute(plan)
+        return real_dispatch(plan)
 
-    runner.execute = flaky
+    runner.dispatch = flaky
     try:
         async def main():
             first = await asyncio.gather(collect(async_engine, [64, 3, 5], SamplingParams(temperature=0, max_tokens=20)),
@@ -90,7 +90,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(async_en
 
         failed, served = asyncio.run(main())
     finally:
-        runner.execute = real_execute
+        runner.dispatch = real_dispatch
     assert isinstance(failed, EngineStepError) and "device fell over" in str(failed)
     assert served[-1].outputs[0].token_ids == [7, 9, 11]
     assert async_engine.engine.kv.num_free_pages == async_engine.engine.kv.num_pages

@@ -1,6 +1,6 @@
 import pytest
 
-from orca_jax.engine.runner import Buckets
+from orca_jax.engine.step_plan import Buckets
 
 
 @pytest.mark.parametrize("tokens, seqs", [(512, 32), (100, 12), (16, 16), (8, 2)])

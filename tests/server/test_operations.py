@@ -113,18 +113,18 @@ def test_api_key(make_server):
 def test_a_failing_step_fails_only_its_requests(make_server, monkeypatch):
     server = make_server()
     runner = server.engine.runner
-    real_execute = runner.execute
+    real_dispatch = runner.dispatch
     fail_after = []  # [n]: the step after n more good ones raises
 
-    def flaky_execute(plan):
+    def flaky_dispatch(plan):
         if fail_after:
             if fail_after[0] == 0:
                 fail_after.clear()
                 raise RuntimeError("injected device fault")
             fail_after[0] -= 1
-        return real_execute(plan)
+        return real_dispatch(plan)
 
-    monkeypatch.setattr(runner, "execute", flaky_execute)
+    monkeypatch.setattr(runner, "dispatch", flaky_dispatch)
     fail_after.append(0)
     status, _, raw = http(server, "POST", "/v1/completions", counting_request(2, 5))
     error = json.loads(raw)["error"]
@@ -146,13 +146,13 @@ def test_a_failing_step_fails_only_its_requests(make_server, monkeypatch):
 def test_drain_finishes_in_flight_requests_then_cancels_past_the_timeout(make_server, monkeypatch):
     server = make_server(shutdown_timeout=1.0)
     runner = server.engine.runner
-    real_execute = runner.execute
+    real_dispatch = runner.dispatch
 
-    def slow_execute(plan):  # ~20 steps per second, so 100 tokens outlast the 1 s drain
+    def slow_dispatch(plan):  # ~20 steps per second, so 100 tokens outlast the 1 s drain
         time.sleep(0.05)
-        return real_execute(plan)
+        return real_dispatch(plan)
 
-    monkeypatch.setattr(runner, "execute", slow_execute)
+    monkeypatch.setattr(runner, "dispatch", slow_dispatch)
 
     async def main():
         async with aiohttp.ClientSession() as session:
@@ -180,17 +180,17 @@ def test_drain_finishes_in_flight_requests_then_cancels_past_the_timeout(make_se
 def test_a_failing_step_spares_the_requests_it_did_not_schedule(make_server, monkeypatch):
     server = make_server()  # max_num_seqs 8: of 12 requests, 4 wait
     runner = server.engine.runner
-    real_execute = runner.execute
+    real_dispatch = runner.dispatch
     calls = []
 
-    def execute(plan):
+    def dispatch(plan):
         calls.append(len(plan.scheduled))
         time.sleep(0.02)  # slow enough that all 12 requests have arrived before step 10
         if len(calls) == 10:
             raise RuntimeError("injected device fault")
-        return real_execute(plan)
+        return real_dispatch(plan)
 
-    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(runner, "dispatch", dispatch)
 
     async def one(session, i):
         async with session.post(server.url + "/v1/completions", json=counting_request(i % 4, 30)) as response:

@@ -1,0 +1,84 @@
+"""One place that turns an EngineConfig into a warmed-up runner and an engine.
+
+The offline `LLM`, the CLI (`generate`, `serve`) and the multi-host follower all build through
+`build_engine`, so every setting of the config (the TOML's `[parallel]` section included) reaches
+the runner the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Sequence
+
+from orca_jax.checkpoint.convert import ensure_pulled
+from orca_jax.checkpoint.store import LoadedModel, load_model
+from orca_jax.config import ConfigError, EngineConfig, ModelConfig
+from orca_jax.engine.engine import LLMEngine
+from orca_jax.engine.runner import ModelRunner
+from orca_jax.engine.step_plan import Buckets
+from orca_jax.parallel.layout import check_parallel, kv_bytes_per_page
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildOptions:
+    """Settings of a build that are not engine policy: context length and compiled shapes."""
+
+    max_model_len: int | None = None  # default: the model's context length
+    token_buckets: Sequence[int] | None = None  # default: powers of two up to max_num_batched_tokens
+    seq_buckets: Sequence[int] | None = None  # default: powers of two up to max_num_seqs
+    show_progress: bool = True
+
+
+def build_engine(config: EngineConfig, options: BuildOptions = BuildOptions(),
+                 loaded: LoadedModel | None = None, devices: list | None = None) -> LLMEngine:
+    """Loads the model (pulled on first use), checks the layout, sizes the KV cache, compiles every
+    bucket and returns the engine. Configuration errors raise before anything is allocated."""
+    if loaded is None:
+        ensure_pulled(config.model, log=lambda message: print(message, file=sys.stderr))
+        loaded = load_model(config.model)
+    model_config = loaded.config
+    check_parallel(model_config, config.parallel)  # before the devices are even counted
+    max_model_len = options.max_model_len or model_config.max_position
+    if max_model_len > model_config.max_position:
+        raise ConfigError(f"max_model_len={max_model_len} exceeds the model's context length "
+                          f"{model_config.max_position}")
+    num_pages = kv_cache_pages(model_config, config)
+    buckets = bucket_set(config, options)
+    runner = ModelRunner(loaded.model, num_pages=num_pages, page_size=config.cache.page_size,
+                         max_model_len=max_model_len, buckets=buckets, attention_impl=config.attention_impl,
+                         parallel=config.parallel, devices=devices)
+    if options.show_progress:
+        page_bytes = kv_bytes_per_page(model_config, config.parallel, config.cache.page_size)
+        print(f"orca_jax: {model_config.name}, policy {config.scheduler.policy}, {num_pages} KV pages x "
+              f"{config.cache.page_size} tokens ({num_pages * page_bytes / 2**20:.0f} MiB per device), "
+              f"{runner.describe()}", file=sys.stderr)
+    runner.warm_up(show_progress=options.show_progress)
+    return LLMEngine(config, model_config, runner, loaded.tokenizer, max_model_len)
+
+
+def kv_cache_pages(model: ModelConfig, config: EngineConfig) -> int:
+    """Pages that fit in `kv_cache_memory` bytes per device (each device holds its stage's layers
+    and its share of the KV heads of every page)."""
+    page_bytes = kv_bytes_per_page(model, config.parallel, config.cache.page_size)
+    num_pages = config.cache.kv_cache_memory // page_bytes
+    if num_pages < 2:
+        raise ConfigError(f"kv_cache_memory={config.cache.kv_cache_memory} bytes holds {num_pages} pages of "
+                          f"{page_bytes} bytes; give at least {2 * page_bytes} bytes")
+    return num_pages
+
+
+def bucket_set(config: EngineConfig, options: BuildOptions) -> Buckets:
+    limits = config.scheduler
+    buckets = Buckets.for_limits(limits.max_num_batched_tokens, limits.max_num_seqs)
+    if not (options.token_buckets or options.seq_buckets):
+        return buckets
+    buckets = Buckets(tokens=tuple(sorted(options.token_buckets or buckets.tokens)),
+                      seqs=tuple(sorted(options.seq_buckets or buckets.seqs)))
+    if buckets.tokens[-1] != limits.max_num_batched_tokens or buckets.seqs[-1] != limits.max_num_seqs:
+        raise ConfigError(
+            f"the largest buckets must equal the limits: tokens {buckets.tokens} must end at "
+            f"max_num_batched_tokens={limits.max_num_batched_tokens}, seqs {buckets.seqs} at "
+            f"max_num_seqs={limits.max_num_seqs}")
+    return buckets
+

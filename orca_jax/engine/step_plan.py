@@ -1,0 +1,213 @@
+"""The engine-runner contract, without jax: the step plan, the sampled-token record, the Runner protocol.
+
+A `StepPlan` is one iteration as plain numpy arrays padded to a compiled bucket (DESIGN.md, "One
+iteration"): everything a device program needs, and no live `Request` objects, so a follower process
+can run the leader's plan as it is (multi-host) and a mock runner can stand in for the model.
+
+    scheduler ──SchedulerOutput──> runner.dispatch ──build_step_plan──> StepPlan ──run_plan──> device
+    engine    <──{request id: SampledToken}── runner.collect <── the step's one small result
+
+`dispatch` returns at once (jax's asynchronous dispatch); `collect` blocks on that step's result.
+The engine keeps up to `runner.max_in_flight` steps dispatched (the pipeline depth), so pipeline
+stages work on different iterations at once (Orca's batches in flight).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import numpy as np
+
+from orca_jax.engine.request import Request
+from orca_jax.engine.scheduler import SchedulerOutput
+from orca_jax.sampling_params import MAX_STOP_IDS
+
+MIN_TOKEN_BUCKET = 16
+MIN_SEQ_BUCKET = 4
+
+
+def power_of_two_buckets(low: int, high: int) -> tuple[int, ...]:
+    """low, 2*low, ... below high, then high itself: never a bucket above the limit."""
+    buckets, size = [], low
+    while size < high:
+        buckets.append(size)
+        size *= 2
+    return tuple(buckets) + (high,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    tokens: tuple[int, ...]
+    seqs: tuple[int, ...]
+
+    @classmethod
+    def for_limits(cls, max_num_batched_tokens: int, max_num_seqs: int) -> "Buckets":
+        """Powers of two up to the limits. The smallest buckets are coarse on purpose: each bucket
+        costs a compile (~7 s for SmolLM2 on 2 cores), and padding a tiny step is cheap."""
+        return cls(
+            tokens=power_of_two_buckets(min(MIN_TOKEN_BUCKET, max_num_batched_tokens), max_num_batched_tokens),
+            seqs=power_of_two_buckets(min(MIN_SEQ_BUCKET, max_num_seqs), max_num_seqs),
+        )
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """Every (tokens, seqs) shape a step can take: a sequence has at least one token."""
+        return [(t, s) for t in self.tokens for s in self.seqs if s <= t]
+
+    def pick(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        t = next((b for b in self.tokens if b >= num_tokens), None)
+        s = next((b for b in self.seqs if b >= num_seqs), None)
+        if t is None or s is None:
+            raise ValueError(f"step of {num_tokens} tokens / {num_seqs} seqs exceeds the buckets {self}")
+        return t, s
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """What a plan needs to know of the KV cache: where pages are and where padding writes."""
+
+    num_pages: int
+    page_size: int
+    max_pages_per_seq: int
+
+    @property
+    def scratch_slot(self) -> int:
+        """The slot padding tokens write to: the extra page at index num_pages, owned by nobody."""
+        return self.num_pages * self.page_size
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """One step's device inputs, padded to the bucket (T tokens, S sequences). Picklable."""
+
+    token_ids: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32
+    segment_ids: np.ndarray  # [T] row of the token's sequence; padding: S (out of range)
+    slot_mapping: np.ndarray  # [T] cache slot each new K/V goes to; padding: the scratch slot
+    block_tables: np.ndarray  # [S, max_pages] int32
+    kv_lens: np.ndarray  # [S] cached tokens per sequence after this step
+    logits_index: np.ndarray  # [S] last token of each sequence
+    sampling: dict[str, np.ndarray]  # SamplingMetadata's fields; penalty arrays None when unused
+    # (request id, row, top logprobs asked or None) for every row that samples a token: leader only.
+    sample_rows: list[tuple[str, int, int | None]] = dataclasses.field(default_factory=list)
+    num_real_tokens: int = 0  # tokens before padding
+
+    @property
+    def bucket(self) -> tuple[int, int]:
+        return len(self.token_ids), len(self.kv_lens)
+
+
+@dataclasses.dataclass
+class SampledToken:
+    token: int
+    logprob: float
+    top: tuple[list[int], list[float]] | None  # top-N ids and logprobs, when the request asked
+
+
+class Runner(Protocol):
+    """What the engine needs of a runner (the model runner, or a mock in scheduler tests)."""
+
+    num_pages: int
+    page_size: int
+    max_in_flight: int  # steps the engine may keep dispatched at once (the pipeline depth)
+
+    def dispatch(self, out: SchedulerOutput) -> Any:
+        """Starts the step without waiting for it; returns a handle for `collect`."""
+
+    def collect(self, pending: Any) -> dict[str, SampledToken]:
+        """Waits for a dispatched step; the sampled token of every request whose step reached its end."""
+
+
+def padding_plan(num_tokens: int, num_seqs: int, kv: KVLayout, vocab_size: int) -> StepPlan:
+    """A plan of one bucket's shape, all padding (tokens out of every segment, writing only to the
+    scratch slot). Warm-up runs it as it is; `build_step_plan` fills in the real rows."""
+    return StepPlan(
+        token_ids=np.zeros(num_tokens, np.int32),
+        positions=np.zeros(num_tokens, np.int32),
+        segment_ids=np.full(num_tokens, num_seqs, np.int32),
+        slot_mapping=np.full(num_tokens, kv.scratch_slot, np.int32),
+        block_tables=np.zeros((num_seqs, kv.max_pages_per_seq), np.int32),
+        kv_lens=np.zeros(num_seqs, np.int32),
+        logits_index=np.zeros(num_seqs, np.int32),
+        sampling=sampling_arrays([], num_seqs, vocab_size),
+    )
+
+
+def build_step_plan(out: SchedulerOutput, buckets: Buckets, kv: KVLayout, vocab_size: int) -> StepPlan:
+    # Static batches keep finished members as padding rows: they cost compute, as in FasterTransformer.
+    num_tokens, num_seqs = buckets.pick(out.num_batched_tokens + out.num_padding_seqs, out.num_seqs)
+    plan = padding_plan(num_tokens, num_seqs, kv, vocab_size)
+    t = 0
+    for row, planned in enumerate(out.scheduled):
+        request, n, start = planned.request, planned.num_new_tokens, planned.start
+        pos = np.arange(start, start + n, dtype=np.int32)
+        table = np.asarray(request.block_table, np.int32)
+        plan.token_ids[t:t + n] = request.token_ids_between(start, start + n)
+        plan.positions[t:t + n] = pos
+        plan.segment_ids[t:t + n] = row
+        plan.slot_mapping[t:t + n] = table[pos // kv.page_size] * kv.page_size + pos % kv.page_size
+        plan.block_tables[row, :len(table)] = table
+        plan.kv_lens[row] = start + n
+        plan.logits_index[row] = t + n - 1
+        if planned.samples:
+            plan.sample_rows.append((request.request_id, row, request.params.logprobs))
+        t += n
+    plan.sampling = sampling_arrays([p.request for p in out.scheduled], num_seqs, vocab_size)
+    plan.num_real_tokens = out.num_batched_tokens
+    return plan
+
+
+def sampling_arrays(requests: list[Request], num_seqs: int, vocab_size: int) -> dict[str, np.ndarray]:
+    """Per-request sampling parameters as [S] arrays (SamplingMetadata's fields), so no combination of
+    parameters recompiles. The [S, V] penalty arrays are None when no request uses penalties: the
+    runner then passes zeros it keeps on the device."""
+    def column(get, dtype, fill):
+        values = np.full(num_seqs, fill, dtype)
+        values[:len(requests)] = [get(r) for r in requests]
+        return values
+
+    stop_ids = np.full((num_seqs, MAX_STOP_IDS), -1, np.int32)
+    suppress = np.zeros(num_seqs, bool)
+    for row, r in enumerate(requests):
+        if len(r.output_token_ids) < r.params.min_tokens:
+            ids = list(r.params.stop_token_ids)
+            if not r.params.ignore_eos and r.eos_token_id is not None:
+                ids.append(r.eos_token_id)
+            stop_ids[row, :len(ids)] = ids
+            suppress[row] = True
+    use_penalties = any(r.params.uses_penalties for r in requests)
+    counts = seen = None
+    if use_penalties:
+        counts = np.zeros((num_seqs, vocab_size), np.int32)
+        seen = np.zeros((num_seqs, vocab_size), bool)
+        for row, r in enumerate(requests):
+            if r.params.uses_penalties:
+                counts[row] = np.bincount(r.output_token_ids, minlength=vocab_size)
+                seen[row, r.prompt_token_ids] = True
+                seen[row] |= counts[row] > 0
+    return dict(
+        temperature=column(lambda r: r.params.temperature, np.float32, 0.0),
+        top_k=column(lambda r: r.params.top_k, np.int32, 0),
+        top_p=column(lambda r: r.params.top_p, np.float32, 1.0),
+        min_p=column(lambda r: r.params.min_p, np.float32, 0.0),
+        repetition_penalty=column(lambda r: r.params.repetition_penalty, np.float32, 1.0),
+        presence_penalty=column(lambda r: r.params.presence_penalty, np.float32, 0.0),
+        frequency_penalty=column(lambda r: r.params.frequency_penalty, np.float32, 0.0),
+        seeds=column(lambda r: (r.seed ^ (r.seed >> 32)) & 0xFFFFFFFF, np.uint32, 0),
+        token_index=column(lambda r: len(r.output_token_ids), np.int32, 0),
+        stop_ids=stop_ids,
+        suppress_stop=suppress,
+        output_counts=counts,
+        seen_tokens=seen,
+        use_penalties=np.bool_(use_penalties),
+        need_logprobs=np.bool_(any(r.params.logprobs is not None for r in requests)),
+    )
+
+
+def sampled_tokens(plan: StepPlan, tokens, logprob, top_ids, top_logprobs) -> dict[str, SampledToken]:
+    """The step's host result ([S] arrays) back to the requests that asked for a token."""
+    sampled = {}
+    for request_id, row, num_top in plan.sample_rows:
+        top = None if num_top is None else (top_ids[row, :num_top].tolist(), top_logprobs[row, :num_top].tolist())
+        sampled[request_id] = SampledToken(token=int(tokens[row]), logprob=float(logprob[row]), top=top)
+    return sampled
