@@ -84,6 +84,26 @@ def test_prefix_caching_hits_and_outputs_stay_right(tiny_runner, tiny_trained, p
         assert out.outputs[0].token_ids == counting_sequence(0, 2)[len(prompt):len(prompt) + 10]
 
 
+
+@pytest.mark.parametrize("policy", ["paged", "chunked"])
+def test_prefix_caching_does_not_reuse_a_page_from_another_position(tiny_runner, tiny_trained, policy):
+    """A prompt whose first page equals the second page of a cached prompt shares nothing: that
+    page's K/V were computed at positions 4..7 after other tokens. Reusing them miscounts (step 3
+    turns into step 1), so the output must equal the run without prefix caching."""
+    count = counting_sequence(20, 3)  # <s> 20 23 26 29 32 ...
+    cached = counting_sequence(61, 1)[:4] + count[:4] + [40]  # pages [<s> 61 62 63], [<s> 20 23 26]
+    later = count[:5]  # first page [<s> 20 23 26], as the cached prompt's second page
+    same_prefix = cached[:8] + [41]  # after the same first page the second page is shared
+    requests = [(cached, greedy(8)), (later, greedy(8)), (same_prefix, greedy(8))]
+    engine = make_engine(tiny_runner, tiny_trained, policy, prefix_caching=True, max_num_seqs=1,
+                         max_num_batched_tokens=64)
+    outputs = run_all(engine, requests)
+    uncached = run_all(make_engine(tiny_runner, tiny_trained, policy, max_num_seqs=1, max_num_batched_tokens=64),
+                       requests)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in uncached]
+    assert outputs[1].outputs[0].token_ids == count[5:13]
+    assert [o.metrics.num_cached_prompt_tokens for o in outputs] == [0, 0, 8]
+
 def test_stop_strings_tokens_min_tokens_and_ignore_eos(tiny_runner, tiny_trained):
     tok = tiny_trained.tokenizer
     engine = make_engine(tiny_runner, tiny_trained, "chunked", **TINY_LIMITS)

@@ -127,3 +127,18 @@ def test_caching_off_shares_nothing():
     kv.allocate(first, 8)
     kv.cache_full_pages(first, 8)
     assert kv.match_prefix(make_request(1, list(range(9)))) == 0
+
+
+def test_a_page_is_shared_only_after_the_same_prefix():
+    """A page's hash is chained with its parent's, so equal tokens at another position (after another
+    prefix) are not a hit: their K/V were computed at other positions, attending to other tokens."""
+    kv = KVCacheManager(num_pages=8, page_size=PAGE, enable_prefix_caching=True)
+    cached = make_request(0, [1, 2, 3, 4, 9, 9, 9, 9, 7])  # its second page is [9, 9, 9, 9]
+    assert kv.allocate(cached, 9)
+    kv.cache_full_pages(cached, 9)
+    kv.free(cached)
+    later = make_request(1, [9, 9, 9, 9, 5])  # the same tokens as its first page
+    assert kv.match_prefix(later) == 0
+    assert later.block_table == []
+    same_prefix = make_request(2, [1, 2, 3, 4, 9, 9, 9, 9, 5])  # after the same prefix: both pages hit
+    assert kv.match_prefix(same_prefix) == 8

@@ -162,6 +162,21 @@ def test_preemption_victim_has_fewest_computed_tokens_and_returns_to_the_head():
     assert victim.num_computed_tokens == 0 and victim.block_table == []
 
 
+
+def test_a_preempted_request_is_scheduled_before_those_already_waiting():
+    engine = make_engine("paged", num_pages=6, page_size=4, max_num_seqs=2)
+    workload = [([1] * 8, 12), ([2] * 3, 12), ([3] * 3, 2), ([4] * 3, 2)]  # 2 and 3 wait: max_num_seqs
+    outputs, _ = run(engine, workload)
+    plans = engine.runner.plans
+    at = next(i for i, plan in enumerate(plans) if plan.preempted)
+    assert [r.request_id for r in plans[at].preempted] == ["1"]
+    before = {s.request.request_id for plan in plans[:at] for s in plan.scheduled}
+    assert before == {"0", "1"}  # 2 and 3 were already waiting when 1 was preempted
+    after = [s.request.request_id for plan in plans[at + 1:] for s in plan.scheduled if s.request.request_id != "0"]
+    assert list(dict.fromkeys(after)) == ["1", "2", "3"]  # the victim first, though 2 and 3 would fit sooner
+    for (prompt, max_tokens), out in zip(workload, outputs):
+        assert out.outputs[0].token_ids == expected_output(prompt, max_tokens)
+
 @pytest.mark.parametrize("policy", ["paged", "chunked"])
 def test_prefix_caching_hits_on_a_shared_prefix(policy):
     engine = make_engine(policy, prefix_caching=True, max_num_seqs=1)

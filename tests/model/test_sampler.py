@@ -1,9 +1,10 @@
 """The on-device sampler on hand-made logits."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax.model.sampler import SamplingMetadata, sample
+from orca_jax.model.sampler import SamplingMetadata, filter_logits, sample
 
 V = 8
 
@@ -64,6 +65,33 @@ def test_filters_keep_only_allowed_tokens():
     assert nucleus(0.4) == {2}
     assert nucleus(0.5) == {2, 3}
 
+
+
+def test_top_p_at_an_exact_tie_drops_the_token_that_starts_at_p():
+    """The convention at a tie, as vLLM's: sorted by probability, descending, a token is kept iff the
+    mass strictly before it is < top_p (at least one token is always kept). So the kept set is the
+    smallest prefix whose mass reaches top_p, and a token whose preceding mass equals top_p exactly
+    is dropped. (vLLM's apply_top_k_top_p_pytorch sorts ascending and masks a token when the
+    cumulative mass up to and including it is <= 1 - top_p: the same rule.)
+
+    Probabilities 1/2, 1/4, 1/8, 1/8 (the rest -inf) are exact in float32, so the ties are exact."""
+    ln2 = np.float32(np.log(2))
+    logits = np.full(V, -np.inf, np.float32)
+    logits[[5, 2, 0, 7]] = [0.0, -ln2, -2 * ln2, -2 * ln2]  # shuffled, so the sort matters
+    probs = np.asarray(jax.nn.softmax(jnp.asarray(logits)))
+    assert probs[[5, 2, 0, 7]].tolist() == [0.5, 0.25, 0.125, 0.125]  # exact: the ties below are exact
+    top_p = np.float32([0.5, np.nextafter(np.float32(0.5), np.float32(1)), 0.75])
+    rows = len(top_p)
+    kept = np.isfinite(np.asarray(filter_logits(jnp.asarray(np.tile(logits, (rows, 1))), metadata(rows, top_p=top_p))))
+    assert [set(np.flatnonzero(row).tolist()) for row in kept] == [
+        {5},  # the mass before token 2 is exactly 0.5: dropped
+        {5, 2},  # just above 0.5 it stays
+        {5, 2},  # the mass before tokens 0 and 7 is exactly 0.75: dropped
+    ]
+    n = 200  # and the draws obey it
+    drawn = sample(jnp.asarray(np.tile(logits, (n, 1))),
+                   metadata(n, temperature=np.ones(n, np.float32), top_p=np.full(n, 0.5, np.float32)))
+    assert set(np.asarray(drawn.tokens).tolist()) == {5}
 
 def test_draws_depend_on_seed_and_token_index_not_on_the_row():
     n = 6
