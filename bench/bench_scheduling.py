@@ -55,7 +55,8 @@ from workloads import WorkloadSpec, build_workload, describe, named_spec, save_j
 from orca_jax import LLM, SamplingParams
 from orca_jax.config import SchedulerConfig
 from orca_jax.engine.engine import LLMEngine
-from orca_jax.engine.runner import RunnerStats, StepInputs
+from orca_jax.engine.runner import RunnerStats
+from orca_jax.engine.step_plan import StepPlan, padding_plan
 from orca_jax.model.paged_attention import PAGES_PER_BLOCK
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -148,11 +149,11 @@ def run_policy(llm: LLM, variant: str, workload, max_num_seqs: int, max_num_batc
 
 # ---- step time vs batch shape, measured on this machine --------------------------------------
 
-def step_inputs(runner, num_tokens: int, num_seqs: int, context: int) -> StepInputs:
+def step_plan(runner, num_tokens: int, num_seqs: int, context: int) -> StepPlan:
     """Arrays of a step of `num_seqs` sequences sharing `num_tokens` new tokens, each with `context`
     tokens already cached, laid out and padded to its bucket as the runner does for a real step."""
     bucket_tokens, bucket_seqs = runner.buckets.pick(num_tokens, num_seqs)
-    inputs = runner._padding_inputs(bucket_tokens, bucket_seqs)
+    inputs = padding_plan(bucket_tokens, bucket_seqs, runner.kv_layout, runner.config.vocab_size)
     page_size, t, next_page = runner.page_size, 0, 0
     if context + -(-num_tokens // num_seqs) > runner.max_pages_per_seq * page_size:
         raise ValueError(f"a context of {context} tokens exceeds the model's length; lower --contexts")
@@ -180,15 +181,14 @@ def time_steps(runner, shapes: list[tuple[int, int, int]], rounds: int = 5) -> l
     other work on a shared CPU (which only ever adds time) spoils one round rather than one shape."""
     prepared = []
     for num_tokens, num_seqs, context in shapes:
-        inputs = step_inputs(runner, num_tokens, num_seqs, context)
-        sampling = runner._sampling_metadata([], len(inputs.kv_lens))
-        runner._run(inputs, sampling)  # the first call of a shape may still load it from the compile cache
-        prepared.append((inputs, sampling))
+        plan = step_plan(runner, num_tokens, num_seqs, context)
+        jax.device_get(runner.run_plan(plan))  # the first call of a shape may still load it from the compile cache
+        prepared.append(plan)
     best = [float("inf")] * len(shapes)
     for _ in range(rounds):
-        for i, (inputs, sampling) in enumerate(prepared):
+        for i, plan in enumerate(prepared):
             start = time.perf_counter()
-            runner._run(inputs, sampling)
+            jax.device_get(runner.run_plan(plan))
             best[i] = min(best[i], time.perf_counter() - start)
     return best
 

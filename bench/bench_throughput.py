@@ -26,7 +26,8 @@ from workloads import mixed_workload  # noqa: E402
 from orca_jax import LLM, SamplingParams  # noqa: E402
 from orca_jax.config import SchedulerConfig  # noqa: E402
 from orca_jax.engine.engine import LLMEngine  # noqa: E402
-from orca_jax.engine.runner import RunnerStats, StepInputs  # noqa: E402
+from orca_jax.engine.runner import RunnerStats  # noqa: E402
+from orca_jax.engine.step_plan import padding_plan  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -77,14 +78,14 @@ def decode_flops(llm: LLM, num_seqs: int, context: int) -> dict:
     tables = np.zeros((num_seqs, runner.max_pages_per_seq), np.int32)
     tables[:, :pages] = np.arange(num_seqs * pages).reshape(num_seqs, pages)
     positions = np.full(num_seqs, context - 1, np.int32)
-    inputs = StepInputs(
+    plan = dataclasses.replace(
+        padding_plan(num_seqs, num_seqs, runner.kv_layout, config.vocab_size),
         token_ids=np.arange(num_seqs, dtype=np.int32), positions=positions,
         segment_ids=np.arange(num_seqs, dtype=np.int32),
         slot_mapping=(tables[:, (context - 1) // runner.page_size] * runner.page_size + (context - 1) % runner.page_size),
         block_tables=tables, kv_lens=np.full(num_seqs, context, np.int32),
         logits_index=np.arange(num_seqs, dtype=np.int32))
-    sampling = runner._sampling_metadata([], num_seqs)
-    seconds = timed(lambda: runner._run(inputs, sampling))
+    seconds = timed(lambda: jax.device_get(runner.run_plan(plan)))
     step_flop = 2 * config.num_params() * num_seqs
     big = jnp.ones((1024, 1024), jnp.float32)
     matmul_s = timed(jax.jit(lambda a: a @ a), big, repeat=20)

@@ -118,6 +118,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory", type=int, help="bytes of KV cache")
     group.add_argument("--enable-prefix-caching", action="store_true", default=None)
     group.add_argument("--attention-impl", choices=["auto", "xla", "pallas"])
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, help="devices each layer is split over")
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, help="pipeline stages the layers are split into")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -131,24 +133,27 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """LLM(...) keyword arguments: flags over the --config file over the defaults."""
+def engine_config(args: argparse.Namespace):
+    """The EngineConfig: each flag given overrides the --config file, which overrides the defaults."""
+    import dataclasses
+
     from orca_jax.config import EngineConfig, load_toml
 
     base = load_toml(EngineConfig, args.config) if args.config else EngineConfig()
 
-    def pick(flag, configured):
-        return configured if flag is None else flag
+    def override(section, **flags):
+        return dataclasses.replace(section, **{k: v for k, v in flags.items() if v is not None})
 
-    return dict(
-        model=pick(args.model, base.model),
-        scheduling_policy=pick(args.policy, base.scheduler.policy),
-        max_num_seqs=pick(args.max_num_seqs, base.scheduler.max_num_seqs),
-        max_num_batched_tokens=pick(args.max_num_batched_tokens, base.scheduler.max_num_batched_tokens),
-        page_size=pick(args.page_size, base.cache.page_size),
-        kv_cache_memory=pick(args.kv_cache_memory, base.cache.kv_cache_memory),
-        enable_prefix_caching=pick(args.enable_prefix_caching, base.cache.enable_prefix_caching),
-        attention_impl=pick(args.attention_impl, base.attention_impl),
+    return override(
+        base,
+        model=args.model,
+        attention_impl=args.attention_impl,
+        cache=override(base.cache, page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
+                       enable_prefix_caching=args.enable_prefix_caching),
+        scheduler=override(base.scheduler, policy=args.policy, max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens),
+        parallel=override(base.parallel, tensor_parallel_size=args.tensor_parallel_size,
+                          pipeline_parallel_size=args.pipeline_parallel_size),
     )
 
 
@@ -165,8 +170,7 @@ def _generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("error: no prompts given (pass them as arguments, with --file, or on stdin)", file=sys.stderr)
         return 2
-    engine = engine_kwargs(args)
-    llm = LLM(engine.pop("model"), **engine)
+    llm = LLM(config=engine_config(args))
     start = time.perf_counter()
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -193,18 +197,18 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         force=True)
     logging.getLogger("orca_jax").setLevel(logging.INFO)
-    engine = engine_kwargs(args)
+    config = engine_config(args)
     # A missing checkpoint fails here, before the port opens, with the command that makes it.
     from orca_jax.checkpoint.convert import ensure_pulled
     from orca_jax.checkpoint.store import (CheckpointError, is_complete, missing_checkpoint_message,
                                            resolve_checkpoint_dir)
 
-    ensure_pulled(engine["model"], log=lambda message: print(message, file=sys.stderr))
-    checkpoint = resolve_checkpoint_dir(engine["model"])
+    ensure_pulled(config.model, log=lambda message: print(message, file=sys.stderr))
+    checkpoint = resolve_checkpoint_dir(config.model)
     if not is_complete(checkpoint):
-        raise CheckpointError(missing_checkpoint_message(engine["model"], checkpoint))
+        raise CheckpointError(missing_checkpoint_message(config.model, checkpoint))
     settings = ServerSettings(
-        model_name=args.served_model_name or str(engine["model"]),
+        model_name=args.served_model_name or config.model,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes)
 
@@ -212,8 +216,7 @@ def _serve(args: argparse.Namespace) -> int:
         from orca_jax import LLM
         from orca_jax.engine.async_engine import AsyncLLMEngine
 
-        llm = LLM(engine.pop("model"), **engine)
-        return AsyncLLMEngine(llm.engine)
+        return AsyncLLMEngine(LLM(config=config).engine)
 
     return asyncio.run(serve(settings, build_engine, args.host, args.port, shutdown_timeout=args.shutdown_timeout))
 

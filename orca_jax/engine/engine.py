@@ -81,7 +81,9 @@ class LLMEngine:
         self.runner = runner
         num_pages = runner.num_pages
         self.kv = KVCacheManager(num_pages, config.cache.page_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        # With a pipeline of depth d, each step takes about 1/d of the running requests.
+        per_step = -(-config.scheduler.max_num_seqs // runner.max_in_flight)
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_seqs_per_step=per_step)
         self.groups: dict[str, _Group] = {}
         self._samples: dict[str, tuple[_Group, _Sample]] = {}  # child request id -> its group and state
         self._released_by_abort: dict[str, _Group] = {}  # static batches completed by an abort

@@ -22,7 +22,10 @@ The policies (DESIGN.md):
 
 Under pipeline parallelism the engine keeps several steps in flight; a request in one of them
 (`request.in_flight`) is skipped until its result is back, and is never chosen as a victim (a
-dispatched step is writing its pages). Each step thus plans the requests the others do not hold.
+dispatched step is writing its pages). Each step thus plans the requests the others do not hold,
+at most `max_seqs_per_step` of them (Orca's batches for its n_workers: the running requests split
+into about pp batches that take turns in the pipeline; without the cap the first step would take
+them all and the other stages would idle).
 """
 
 from __future__ import annotations
@@ -68,9 +71,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_seqs_per_step: int | None = None):
         self.config = config
         self.kv = kv
+        self.max_seqs_per_step = max_seqs_per_step or config.max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; static: the batch, finished members included
         self.num_preemptions = 0
@@ -118,6 +122,8 @@ class Scheduler:
         for request in running:
             if request.status != RequestStatus.RUNNING or request.in_flight or budget == 0:
                 continue
+            if len(out.scheduled) == self.max_seqs_per_step:
+                break
             # Beyond `chunked`, only the recompute of a preempted request can exceed the budget; it
             # continues in budget-sized pieces.
             num_new = min(request.num_uncomputed_tokens, budget)
@@ -160,7 +166,8 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         policy = self.config.policy
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(out.scheduled) < self.max_seqs_per_step):
             request = self.waiting[0]
             cached = self.kv.match_prefix(request)
             request.num_computed_tokens = cached
