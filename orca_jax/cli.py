@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 from orca_jax.config import DEFAULT_MODEL
+from orca_jax.parallel.plan_cli import add_plan_arguments, run_plan
+from orca_jax.sizes import byte_size
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
     add_engine_args(serve)
 
+    plan = commands.add_parser("plan", help="check that a model fits a tp x pp layout; per-device memory and KV pages")
+    add_plan_arguments(plan)
+
     bench = commands.add_parser("bench", help="run a benchmark of bench/ (pass its own flags after the name)")
     bench.add_argument("name", choices=BENCHMARKS, help="scheduling (offline, every policy), serving (load "
                        "generator against servers), throughput, attention")
@@ -52,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "bench":
         return _bench(args.name, args.bench_args)
+    if args.command == "plan":
+        return run_plan(args)
     if args.command == "serve":
         from orca_jax.checkpoint.store import CheckpointError
 
@@ -115,11 +122,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, help="requests running at once")
     group.add_argument("--max-num-batched-tokens", type=int, help="tokens per forward pass")
     group.add_argument("--page-size", type=int, help="tokens per KV page")
-    group.add_argument("--kv-cache-memory", type=int, help="bytes of KV cache")
+    group.add_argument("--kv-cache-memory", type=byte_size, help="KV cache per device, e.g. 1GiB, 512MiB or bytes")
     group.add_argument("--enable-prefix-caching", action="store_true", default=None)
     group.add_argument("--attention-impl", choices=["auto", "xla", "pallas"])
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, help="devices each layer is split over")
-    group.add_argument("--pipeline-parallel-size", "-pp", type=int, help="pipeline stages the layers are split into")
+    group.add_argument("--tensor-parallel-size", type=int, help="devices each layer is split over")
+    group.add_argument("--pipeline-parallel-size", type=int, help="pipeline stages the layers are split into")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

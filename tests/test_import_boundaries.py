@@ -12,6 +12,7 @@ NO_JAX_MODULES = [
     "orca_jax.engine.detokenizer", "orca_jax.engine.engine", "orca_jax.engine.async_engine",
     "orca_jax.server.protocol", "orca_jax.server.responses", "orca_jax.server.metrics", "orca_jax.server.app",
     "orca_jax.server.handlers", "orca_jax.server.serve",
+    "orca_jax.sizes", "orca_jax.parallel.layout", "orca_jax.parallel.plan_cli",
 ]
 
 BLOCK_JAX = """

@@ -41,7 +41,7 @@ def test_a_bad_request_rejects_the_batch_before_anything_is_queued(tiny_llm):
 
 def test_chat_and_text_with_smollm2(smollm2, smollm2_reference):
     llm = LLM("smollm2-135m-instruct", max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[64],
-              seq_buckets=[4], kv_cache_memory=64 << 20, show_progress=False)
+              seq_buckets=[4], kv_cache_memory=64 << 20, max_model_len=1024, show_progress=False)
     case = next(c for c in smollm2_reference["cases"] if c["kind"] == "chat")
     params = SamplingParams(temperature=0, max_tokens=len(case["greedy_ids"]))
     chat = llm.chat(case["messages"], params, use_tqdm=False)[0]

@@ -13,11 +13,12 @@ from typing import Sequence
 
 from orca_jax.checkpoint.convert import ensure_pulled
 from orca_jax.checkpoint.store import LoadedModel, load_model
-from orca_jax.config import ConfigError, EngineConfig, ModelConfig
+from orca_jax.config import ConfigError, EngineConfig
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.engine.runner import ModelRunner
 from orca_jax.engine.step_plan import Buckets
-from orca_jax.parallel.layout import check_parallel, kv_bytes_per_page
+from orca_jax.parallel.layout import check_parallel
+from orca_jax.parallel.memory_plan import plan_memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,29 +44,18 @@ def build_engine(config: EngineConfig, options: BuildOptions = BuildOptions(),
     if max_model_len > model_config.max_position:
         raise ConfigError(f"max_model_len={max_model_len} exceeds the model's context length "
                           f"{model_config.max_position}")
-    num_pages = kv_cache_pages(model_config, config)
+    # Pages per device from kv_cache_memory; refuses a cache that cannot hold one max-length sequence.
+    plan = plan_memory(model_config, config.parallel, page_size=config.cache.page_size, max_model_len=max_model_len,
+                       kv_cache_memory=config.cache.kv_cache_memory)
     buckets = bucket_set(config, options)
-    runner = ModelRunner(loaded.model, num_pages=num_pages, page_size=config.cache.page_size,
+    runner = ModelRunner(loaded.model, num_pages=plan.num_pages, page_size=config.cache.page_size,
                          max_model_len=max_model_len, buckets=buckets, attention_impl=config.attention_impl,
                          parallel=config.parallel, devices=devices)
     if options.show_progress:
-        page_bytes = kv_bytes_per_page(model_config, config.parallel, config.cache.page_size)
-        print(f"orca_jax: {model_config.name}, policy {config.scheduler.policy}, {num_pages} KV pages x "
-              f"{config.cache.page_size} tokens ({num_pages * page_bytes / 2**20:.0f} MiB per device), "
-              f"{runner.describe()}", file=sys.stderr)
+        print(f"orca_jax: {model_config.name}, policy {config.scheduler.policy}, {runner.describe()}\n"
+              f"{plan.one_line()}", file=sys.stderr)
     runner.warm_up(show_progress=options.show_progress)
     return LLMEngine(config, model_config, runner, loaded.tokenizer, max_model_len)
-
-
-def kv_cache_pages(model: ModelConfig, config: EngineConfig) -> int:
-    """Pages that fit in `kv_cache_memory` bytes per device (each device holds its stage's layers
-    and its share of the KV heads of every page)."""
-    page_bytes = kv_bytes_per_page(model, config.parallel, config.cache.page_size)
-    num_pages = config.cache.kv_cache_memory // page_bytes
-    if num_pages < 2:
-        raise ConfigError(f"kv_cache_memory={config.cache.kv_cache_memory} bytes holds {num_pages} pages of "
-                          f"{page_bytes} bytes; give at least {2 * page_bytes} bytes")
-    return num_pages
 
 
 def bucket_set(config: EngineConfig, options: BuildOptions) -> Buckets:

@@ -1,0 +1,247 @@
+"""How a model fits a tensor x pipeline parallel layout: bytes per device and KV pages.
+
+The plan never allocates: it builds the decoder abstractly (`abstract_decoder`, shapes only) and
+reads each parameter's logical axis names. A dimension whose logical axis the rules table
+(`mesh.LOGICAL_AXIS_RULES`) maps to 'tp' is divided by tp; everything else is replicated. So the
+plan follows the table: change a rule and the plan changes with it. Pipeline stages are assigned
+here, not by the table: stage s holds its layers, the first stage the embeddings, the last the
+final norm and LM head (a tied head is the embedding matrix, so with pp > 1 both ends hold it).
+
+Every stage gets the same number of KV pages (a sequence's page table indexes every stage's cache),
+so the stage with the least room for pages sets the count for all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+from flax import nnx
+
+from orca_jax.config import ConfigError, DType, ModelConfig, ParallelConfig
+from orca_jax.model.decoder import abstract_decoder
+from orca_jax.parallel import mesh
+from orca_jax.parallel.layout import check_parallel, kv_heads_for_tp, stage_layer_ranges
+from orca_jax.sizes import format_bytes
+
+# Device memory kept back for everything besides parameters and KV: one step's activations
+# ([T, D] buffers, the MLP's [T, F/tp], [S, V/tp] f32 logits: tens of MB even for 175B at 512
+# tokens), XLA's scratch and compiled programs, and allocator fragmentation. A fixed 10% is
+# vLLM's default (gpu_memory_utilization=0.9): simple, familiar, and generous for the activations.
+RESERVE_FRACTION = 0.10
+
+FIX = "use more devices (larger tensor_parallel_size or pipeline_parallel_size)"
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    layers: range
+    param_bytes: int  # on each of the stage's tp devices
+    kv_bytes_per_page: int  # on each device: stage layers x (K, V) x page_size x local KV heads x head_dim x itemsize
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-device figures of a layout; a "device" figure is the largest over the stages."""
+
+    model_name: str
+    dtype: str
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    kv_heads: int  # KV heads of the runtime model (replicated up to tp when tp exceeds them)
+    page_size: int  # tokens per KV page
+    max_model_len: int  # tokens per sequence (prompt + generated)
+    stages: tuple[StagePlan, ...]
+    device_memory: int | None  # bytes per device, None when only the KV budget was given
+    reserve_bytes: int  # per device, kept for activations and workspace (0 without device_memory)
+    num_pages: int  # KV pages, the same on every device
+
+    @property
+    def param_bytes(self) -> int:
+        return max(s.param_bytes for s in self.stages)
+
+    @property
+    def kv_bytes_per_page(self) -> int:
+        return max(s.kv_bytes_per_page for s in self.stages)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_pages * self.kv_bytes_per_page
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def num_full_sequences(self) -> int:
+        """Sequences of max_model_len tokens the cache holds at once (each takes whole pages)."""
+        return self.num_pages // math.ceil(self.max_model_len / self.page_size)
+
+    def _layout(self) -> str:
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        return f"tp {tp} x pp {pp} = {tp * pp} device{'s' if tp * pp > 1 else ''}"
+
+    def summary(self) -> str:
+        memory = "" if self.device_memory is None else f", {format_bytes(self.device_memory)} each"
+        stages = ", ".join(f"{s.layers.start}-{s.layers.stop - 1}" for s in self.stages)
+        lines = [
+            f"{self.model_name} ({self.dtype}) on {self._layout()}{memory}",
+            f"  layers per stage: {stages}; KV heads {self.kv_heads} "
+            f"({self.kv_heads // self.tensor_parallel_size} per device)",
+            f"  per device: parameters {format_bytes(self.param_bytes)}, KV cache {format_bytes(self.kv_bytes)}"
+            + ("" if self.device_memory is None else
+               f", reserve {format_bytes(self.reserve_bytes)} ({RESERVE_FRACTION:.0%}) for activations and workspace"),
+            f"  KV: {self.num_pages} pages x {self.page_size} tokens ({format_bytes(self.kv_bytes_per_page)} each) = "
+            f"{self.num_tokens} tokens = {self.num_full_sequences} sequences of {self.max_model_len} tokens",
+        ]
+        return "\n".join(lines)
+
+    def one_line(self) -> str:
+        return (
+            f"memory plan: {self.model_name} {self.dtype} {self._layout()}: "
+            f"parameters {format_bytes(self.param_bytes)}/device, KV {self.num_pages} pages x {self.page_size} = "
+            f"{self.num_tokens} tokens ({format_bytes(self.kv_bytes)}/device, "
+            f"{self.num_full_sequences} x {self.max_model_len}-token sequences)"
+        )
+
+
+def param_shapes(model: ModelConfig) -> list[tuple[tuple, tuple[int, ...], tuple, int]]:
+    """(path, shape, logical axes, itemsize) of every parameter, by abstract evaluation.
+
+    Evaluates a one-layer decoder and repeats its layer for every index: the Decoder's layers are
+    identical by construction, and tracing them all is quadratic in jax 0.10.2 (each RNG draw makes
+    flax probe a tracer's `.sharding`, and jax walks the whole trace to word an error it never
+    raises): 96 layers take 5-15 s, one layer well under one. A test checks the shortcut against
+    the full evaluation.
+    """
+    one_layer = abstract_decoder(dataclasses.replace(model, n_layers=1))
+    records = _flat_params(one_layer)
+    shapes = [r for r in records if r[0][0] != "layers"]
+    for i in range(model.n_layers):
+        shapes += [(("layers", i) + path[2:], *rest) for path, *rest in records if path[0] == "layers"]
+    return shapes
+
+
+def _flat_params(decoder) -> list[tuple[tuple, tuple[int, ...], tuple, int]]:
+    state = nnx.state(decoder, nnx.Param)
+    axes = dict(nnx.to_flat_state(nnx.get_partition_spec(state)))
+    return [
+        (path, tuple(value.get_value().shape), tuple(axes[path].get_value()), value.get_value().dtype.itemsize)
+        for path, value in nnx.to_flat_state(state)
+    ]
+
+
+def _splits_over_tp(logical_axis: str | None) -> bool:
+    if logical_axis is None:
+        return False
+    if logical_axis not in mesh.LOGICAL_AXIS_RULES:
+        raise ValueError(f"logical axis {logical_axis!r} has no entry in LOGICAL_AXIS_RULES")
+    mesh_axes = mesh.LOGICAL_AXIS_RULES[logical_axis]
+    return mesh_axes == "tp" or (isinstance(mesh_axes, tuple) and "tp" in mesh_axes)
+
+
+def _bytes_per_device(shape: tuple[int, ...], axes: tuple, itemsize: int, tp: int) -> int:
+    return math.prod(-(-dim // tp) if _splits_over_tp(axis) else dim for dim, axis in zip(shape, axes)) * itemsize
+
+
+def _stages_holding(path: tuple, ranges: list[range], tied: bool) -> list[int]:
+    last = len(ranges) - 1
+    top = path[0]
+    if top == "layers":
+        return [next(s for s, r in enumerate(ranges) if path[1] in r)]
+    if top == "embed":
+        return sorted({0, last}) if tied else [0]
+    if top == "pos_embed":
+        return [0]
+    if top in ("final_norm", "lm_head"):
+        return [last]
+    # A new top-level parameter must be placed on purpose, never silently left out of the plan.
+    raise ValueError(f"the memory plan does not know which pipeline stage holds parameter {path}")
+
+
+def plan_memory(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    page_size: int,
+    max_model_len: int | None = None,
+    device_memory: int | None = None,
+    kv_cache_memory: int | None = None,
+    dtype: DType | None = None,
+) -> MemoryPlan:
+    """Plans parameters and KV pages per device, or raises ConfigError naming the shortfall and fix.
+
+    `device_memory`: bytes the engine may use on each device (note JAX preallocates 75% of a GPU by
+    default: pass that figure, or raise XLA_PYTHON_CLIENT_MEM_FRACTION). `kv_cache_memory`: KV bytes
+    per device; without it the KV cache takes what parameters and the reserve leave.
+    `max_model_len` defaults to the model's context length; `dtype` overrides the model's.
+    """
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if dtype is not None:
+        model = dataclasses.replace(model, dtype=dtype)
+    check_parallel(model, parallel)
+    max_model_len = model.max_position if max_model_len is None else max_model_len
+    if page_size < 1 or max_model_len < 1:
+        raise ConfigError(f"page_size and max_model_len must be positive, got {page_size} and {max_model_len}")
+    if max_model_len > model.max_position:
+        raise ConfigError(f"max_model_len={max_model_len} exceeds {model.name!r}'s context length {model.max_position}")
+    if device_memory is None and kv_cache_memory is None:
+        raise ConfigError("give device_memory (bytes per device) or kv_cache_memory (KV bytes per device)")
+
+    # The runtime model: KV heads replicated up to tp (the K/V projections then have tp heads).
+    kv_heads = kv_heads_for_tp(model, tp)
+    runtime = dataclasses.replace(model, n_kv_heads=kv_heads)
+    ranges = stage_layer_ranges(model.n_layers, pp)
+    param_bytes = [0] * pp
+    for path, shape, axes, itemsize in param_shapes(runtime):
+        for stage in _stages_holding(path, ranges, model.tie_word_embeddings):
+            param_bytes[stage] += _bytes_per_device(shape, axes, itemsize, tp)
+    itemsize = jnp.dtype(model.dtype).itemsize  # the KV cache is kept in the model's dtype
+    stages = tuple(
+        StagePlan(r, param_bytes[s], len(r) * 2 * page_size * (kv_heads // tp) * model.head_dim * itemsize)
+        for s, r in enumerate(ranges)
+    )
+    largest = max(stages, key=lambda s: s.param_bytes)
+
+    reserve = 0
+    if device_memory is not None:
+        reserve = int(device_memory * RESERVE_FRACTION)
+        if largest.param_bytes + reserve > device_memory:
+            short = largest.param_bytes + reserve - device_memory
+            raise ConfigError(
+                f"{model.name} ({model.dtype}) does not fit tp {tp} x pp {pp} on {format_bytes(device_memory)} "
+                f"devices: parameters need {format_bytes(largest.param_bytes)} per device plus a "
+                f"{format_bytes(reserve)} reserve, short by {format_bytes(short)} per device; {FIX}"
+            )
+
+    # KV budget of each stage; a stage's budget / its page size bounds the shared page count.
+    budgets = [
+        kv_cache_memory if kv_cache_memory is not None else device_memory - reserve - s.param_bytes for s in stages
+    ]
+    if kv_cache_memory is not None and device_memory is not None:
+        over = largest.param_bytes + reserve + kv_cache_memory - device_memory
+        if over > 0:
+            raise ConfigError(
+                f"kv_cache_memory={format_bytes(kv_cache_memory)} per device does not fit beside "
+                f"{format_bytes(largest.param_bytes)} of parameters and a {format_bytes(reserve)} reserve in "
+                f"{format_bytes(device_memory)}: short by {format_bytes(over)} per device; lower kv_cache_memory "
+                f"to {format_bytes(kv_cache_memory - over)} or {FIX}"
+            )
+    # As LLM counts them today; the runner adds one scratch page (padding writes) that the reserve covers.
+    num_pages = min(budget // s.kv_bytes_per_page for budget, s in zip(budgets, stages))
+
+    pages_per_sequence = math.ceil(max_model_len / page_size)
+    if num_pages < pages_per_sequence:
+        short = max(pages_per_sequence * s.kv_bytes_per_page - budget for budget, s in zip(budgets, stages))
+        raise ConfigError(
+            f"{model.name} on tp {tp} x pp {pp}: the KV cache holds {num_pages * page_size} tokens per device, "
+            f"less than one sequence of max_model_len={max_model_len}; short by {format_bytes(short)} per device. "
+            f"Lower max_model_len, give the KV cache more memory, or {FIX}"
+        )
+    return MemoryPlan(
+        model_name=model.name, dtype=model.dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+        kv_heads=kv_heads, page_size=page_size, max_model_len=max_model_len, stages=stages,
+        device_memory=device_memory, reserve_bytes=reserve, num_pages=num_pages,
+    )

@@ -1,0 +1,68 @@
+"""`orca-jax plan`: does a model fit a tp x pp layout, and how many KV pages does it get?
+
+Importing this module does not import jax (cli.py builds every subcommand's parser at start-up);
+`run_plan` imports the planner when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+from pathlib import Path
+
+from orca_jax.config import DEFAULT_MODEL, CacheConfig, ConfigError, DType, ModelConfig, ParallelConfig, load_toml
+from orca_jax.config import load_model_preset, model_preset_names
+from orca_jax.sizes import byte_size
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"preset name or checkpoint directory with a model.toml (default {DEFAULT_MODEL})")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="devices each layer is split over")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="stages the layers are split into")
+    parser.add_argument("--device-memory", type=byte_size,
+                        help="memory of each device, e.g. 40GiB; the KV cache gets what parameters and a 10%% reserve "
+                             "leave")
+    parser.add_argument("--kv-cache-memory", type=byte_size, help="KV cache bytes per device, e.g. 4GiB")
+    parser.add_argument("--page-size", type=int, default=CacheConfig().page_size, help="tokens per KV page")
+    parser.add_argument("--max-model-len", type=int, help="tokens per sequence (default: the model's context length)")
+    parser.add_argument("--dtype", choices=typing.get_args(DType), help="override the model's parameter dtype")
+
+
+def resolve_model_config(name_or_path: str) -> ModelConfig:
+    """A directory's model.toml, else a preset, else a converted checkpoint of that name."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        if not (path / "model.toml").is_file():
+            raise ConfigError(f"{path} has no model.toml; pass a checkpoint directory or a preset name")
+        return load_toml(ModelConfig, path / "model.toml")
+    if name_or_path in model_preset_names():
+        return load_model_preset(name_or_path)
+    from orca_jax.checkpoint.store import resolve_checkpoint_dir
+
+    stored = resolve_checkpoint_dir(name_or_path) / "model.toml"
+    if stored.is_file():
+        return load_toml(ModelConfig, stored)
+    raise ConfigError(
+        f"no model {name_or_path!r}: pass a checkpoint directory with a model.toml or a preset "
+        f"({', '.join(model_preset_names())})"
+    )
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Prints the plan and returns 0, or prints `error: ...` to stderr and returns 2."""
+    from orca_jax.parallel.memory_plan import plan_memory
+
+    try:
+        parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                  pipeline_parallel_size=args.pipeline_parallel_size)
+        plan = plan_memory(
+            resolve_model_config(args.model), parallel, page_size=args.page_size, max_model_len=args.max_model_len,
+            device_memory=args.device_memory, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
+        )
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(plan.summary())
+    return 0

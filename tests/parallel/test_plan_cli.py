@@ -1,0 +1,59 @@
+import argparse
+
+import pytest
+
+from orca_jax.config import ParallelConfig, load_model_preset, model_config_to_toml
+from orca_jax.parallel.memory_plan import plan_memory
+from orca_jax.parallel.plan_cli import add_plan_arguments, run_plan
+
+
+def plan(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="orca-jax plan")
+    add_plan_arguments(parser)
+    return run_plan(parser.parse_args(argv))
+
+
+def test_prints_the_plan_of_a_preset(capsys):
+    assert plan(["--model", "gpt3-13b", "--device-memory", "40GiB"]) == 0
+    expected = plan_memory(load_model_preset("gpt3-13b"), ParallelConfig(), page_size=16, device_memory=40 << 30)
+    assert capsys.readouterr().out == expected.summary() + "\n"
+
+
+def test_paper_layout_of_175b(capsys):
+    argv = ["--model", "gpt3-175b", "--tensor-parallel-size", "8", "--pipeline-parallel-size", "2",
+            "--device-memory", "40GiB", "--max-model-len", "1024", "--page-size", "32"]
+    assert plan(argv) == 0
+    out = capsys.readouterr().out
+    assert "tp 8 x pp 2 = 16 devices" in out and "layers per stage: 0-47, 48-95" in out
+    assert "x 32 tokens" in out and "sequences of 1024 tokens" in out
+
+
+def test_refusal_prints_error_and_returns_2(capsys):
+    assert plan(["--model", "gpt3-175b", "--device-memory", "40GiB"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("error: gpt3-175b") and "GiB per device" in captured.err
+
+
+def test_smollm2_tp2_refusal_names_1_or_3(capsys):
+    assert plan(["--model", "smollm2-135m-instruct", "--tensor-parallel-size", "2", "--kv-cache-memory", "1GiB"]) == 2
+    assert "tp 1 or 3" in capsys.readouterr().err
+
+
+def test_checkpoint_directory_with_model_toml(tmp_path, capsys):
+    (tmp_path / "model.toml").write_text(model_config_to_toml(load_model_preset("tiny")))
+    assert plan(["--model", str(tmp_path), "--kv-cache-memory", "1MiB", "--dtype", "bfloat16"]) == 0
+    assert capsys.readouterr().out.startswith("tiny (bfloat16) on tp 1 x pp 1 = 1 device\n")
+
+
+def test_unknown_model_lists_the_presets(capsys):
+    assert plan(["--model", "no-such-model", "--kv-cache-memory", "1GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-model" in err and "gpt3-175b" in err
+
+
+def test_unreadable_size_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plan(["--model", "tiny", "--device-memory", "40G"])
+    assert exit_info.value.code == 2
+    assert "GiB" in capsys.readouterr().err
