@@ -127,6 +127,46 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--attention-impl", choices=["auto", "xla", "pallas"])
     group.add_argument("--tensor-parallel-size", type=int, help="devices each layer is split over")
     group.add_argument("--pipeline-parallel-size", type=int, help="pipeline stages the layers are split into")
+    hosts = parser.add_argument_group(
+        "multi-host (start one process per host with the same flags; process 0 prints or serves, the others "
+        "follow it; defaults from $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID)")
+    hosts.add_argument("--coordinator-address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+                       help="host:port of process 0 (steps go out on port + 1)")
+    hosts.add_argument("--num-processes", type=int, default=_env_int("JAX_NUM_PROCESSES"))
+    hosts.add_argument("--process-id", type=int, default=_env_int("JAX_PROCESS_ID"))
+    hosts.add_argument("--step-timeout", type=float, default=60.0,
+                       help="seconds the leader waits for a step from the other processes before failing")
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+def distributed_config(args: argparse.Namespace):
+    """The multi-host settings, or None for a single process."""
+    given = [args.coordinator_address, args.num_processes, args.process_id]
+    if all(v is None for v in given):
+        return None
+    if any(v is None for v in given):
+        raise ValueError("multi-host needs all of --coordinator-address, --num-processes and --process-id "
+                         "(or $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID)")
+    from orca_jax.parallel.multihost import DistributedConfig
+
+    return DistributedConfig(args.coordinator_address, args.num_processes, args.process_id,
+                             step_timeout=args.step_timeout)
+
+
+def _follow(config, dist) -> int:
+    """A follower process: build the same runner, then run the leader's steps until it is done."""
+    import logging
+
+    from orca_jax.engine.builder import BuildOptions, build_runner
+    from orca_jax.parallel.multihost import follow
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    runner, _, _ = build_runner(config, BuildOptions(show_progress=False), distributed=dist)
+    return follow(runner, dist)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -173,16 +213,45 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    config, dist = engine_config(args), distributed_config(args)
+    if dist is not None and not dist.is_leader:
+        return _multihost(dist, lambda: _follow(config, dist))
     prompts = _read_prompts(args)
     if not prompts:
         print("error: no prompts given (pass them as arguments, with --file, or on stdin)", file=sys.stderr)
         return 2
-    llm = LLM(config=engine_config(args))
+    if dist is not None:
+        return _multihost(dist, lambda: _print_outputs(args, prompts, params, LLM(config=config, distributed=dist)))
+    return _print_outputs(args, prompts, params, LLM(config=config))
+
+
+def _multihost(dist, run) -> int:
+    """Runs a multi-host process and ends it with its exit code; a lost peer is one clean error line."""
+    from orca_jax.engine.step_plan import RunnerLost
+    from orca_jax.parallel.multihost import exit_now, initialize
+
+    # Native libraries (gloo) print to file descriptor 1; keep the results alone on stdout by pointing
+    # fd 1 at stderr and giving Python's sys.stdout the original stdout.
+    results = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(results, "w")
+    initialize(dist)
+    try:
+        code = run()
+    except RunnerLost as error:
+        print(f"error: {error}", file=sys.stderr)
+        code = 1
+    exit_now(code)
+
+
+def _print_outputs(args: argparse.Namespace, prompts: list[str], params, llm) -> int:
     start = time.perf_counter()
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
         outputs = llm.generate(prompts, params)
+    if llm.runner.followers is not None:
+        llm.runner.followers.close()
     elapsed = time.perf_counter() - start
     for prompt, output in zip(prompts, outputs):
         print(f">>> {prompt}\n{output.outputs[0].text.strip()}")
@@ -219,13 +288,20 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes)
 
+    dist = distributed_config(args)
+    if dist is not None and not dist.is_leader:
+        return _multihost(dist, lambda: _follow(config, dist))
+
     def build_engine():
         from orca_jax import LLM
         from orca_jax.engine.async_engine import AsyncLLMEngine
 
-        return AsyncLLMEngine(LLM(config=config).engine)
+        return AsyncLLMEngine(LLM(config=config, distributed=dist).engine)
 
-    return asyncio.run(serve(settings, build_engine, args.host, args.port, shutdown_timeout=args.shutdown_timeout))
+    def run() -> int:
+        return asyncio.run(serve(settings, build_engine, args.host, args.port, shutdown_timeout=args.shutdown_timeout))
+
+    return run() if dist is None else _multihost(dist, run)
 
 
 if __name__ == "__main__":

@@ -38,11 +38,14 @@ class LLM:
         seq_buckets: Sequence[int] | None = None,
         show_progress: bool = True,
         config: EngineConfig | None = None,
+        distributed=None,
     ):
         """`model`: a preset name (pulled on first use if it has published weights) or a checkpoint
         directory. `kv_cache_memory`: bytes of KV cache per device. `token_buckets` / `seq_buckets`
         override the compiled step shapes (default: powers of two up to the limits). `config`: a whole
-        EngineConfig (e.g. from a TOML file), used instead of the engine keyword arguments."""
+        EngineConfig (e.g. from a TOML file), used instead of the engine keyword arguments.
+        `distributed`: a multihost.DistributedConfig when this process leads others (after
+        `multihost.initialize`); the followers run `orca_jax.parallel.multihost.follow`."""
         from orca_jax.engine.builder import BuildOptions, build_engine
 
         self.config = config or EngineConfig(
@@ -57,7 +60,7 @@ class LLM:
         )
         options = BuildOptions(max_model_len=max_model_len, token_buckets=token_buckets, seq_buckets=seq_buckets,
                                show_progress=show_progress)
-        self.engine = build_engine(self.config, options)
+        self.engine = build_engine(self.config, options, distributed=distributed)
         self.runner = self.engine.runner
         self.tokenizer = self.engine.tokenizer
         self.show_progress = show_progress

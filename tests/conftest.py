@@ -15,6 +15,10 @@ SMOLLM2 = DEFAULT_MODEL
 
 jax.config.update("jax_compilation_cache_dir", str(REPO_ROOT / ".jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+# Six CPU devices (tp 3 x pp 2 for SmolLM2), set before the backend starts; one-device runners use
+# the first. On 2 cores they share the cores: the parallel tests check outputs, never speed.
+NUM_TEST_DEVICES = 6
+jax.config.update("jax_num_cpu_devices", NUM_TEST_DEVICES)
 
 
 @pytest.fixture(scope="session")
@@ -44,13 +48,24 @@ def tiny_trained():
 
 
 # Runners are compiled once per session and shared by engine and server tests.
-def warm_tiny_runner(tiny_trained, attention_impl):
+def warm_tiny_runner(tiny_trained, attention_impl, tp=1, pp=1):
     from orca_jax.config import ParallelConfig
     from orca_jax.engine.runner import Buckets, ModelRunner
 
     runner = ModelRunner(tiny_trained.model, num_pages=160, page_size=4, max_model_len=128,
                          buckets=Buckets(tokens=(16, 64), seqs=(4, 8)), attention_impl=attention_impl,
-                         parallel=ParallelConfig())
+                         parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+    runner.warm_up(show_progress=False)
+    return runner
+
+
+def warm_smollm2_runner(smollm2, tp=1, pp=1):
+    from orca_jax.config import ParallelConfig
+    from orca_jax.engine.runner import Buckets, ModelRunner
+
+    runner = ModelRunner(smollm2.model, num_pages=96, page_size=16, max_model_len=2048,
+                         buckets=Buckets(tokens=(32, 128), seqs=(8,)), attention_impl="xla",
+                         parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp))
     runner.warm_up(show_progress=False)
     return runner
 
@@ -68,11 +83,11 @@ def tiny_pallas_runner(tiny_trained):
 
 @pytest.fixture(scope="session")
 def smollm2_runner(smollm2):
-    from orca_jax.config import ParallelConfig
-    from orca_jax.engine.runner import Buckets, ModelRunner
+    return warm_smollm2_runner(smollm2)
 
-    runner = ModelRunner(smollm2.model, num_pages=96, page_size=16, max_model_len=2048,
-                         buckets=Buckets(tokens=(32, 128), seqs=(8,)), attention_impl="xla",
-                         parallel=ParallelConfig())
-    runner.warm_up(show_progress=False)
-    return runner
+
+@pytest.fixture(scope="session")
+def smollm2_tp3_runner(smollm2):
+    """SmolLM2 over 3 devices (its 9 query / 3 KV heads split 3 ways); shared by the engine and
+    server tests of tensor parallelism."""
+    return warm_smollm2_runner(smollm2, tp=3)

@@ -18,6 +18,10 @@ How the threads meet:
    step scheduled are aborted (pages freed) and failed with EngineStepError; the others, waiting
    or running, go on. Any other exception inside a step leaves the engine's state unknown, so it
    fails every request in flight. Either way the thread keeps serving new requests.
+6. When the runner is lost (RunnerLost: a follower process died or stalled), nothing can run any
+   more: every request in flight fails with that error, the thread ends, `lost` holds the error and
+   `on_lost`, if set, is called with it (the server then shuts down and exits non-zero). Requests
+   that arrive afterwards fail at once with the same error.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from orca_jax.engine.engine import LLMEngine, StepFailed
+from orca_jax.engine.step_plan import RunnerLost
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
 
@@ -76,6 +81,8 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, step_listener: Callable[[EngineStats], None] | None = None):
         self.engine = engine
         self.step_listener = step_listener
+        self.on_lost: Callable[[RunnerLost], None] | None = None
+        self.lost: RunnerLost | None = None
         self.stats = self._snapshot()
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
@@ -90,6 +97,8 @@ class AsyncLLMEngine:
         iteration early (cancellation, a closed connection) aborts the request. `arrival_time`
         (time.monotonic) defaults to when the engine thread picks the request up."""
         request_id = request_id or f"req-{next(self._ids)}"
+        if self.lost is not None:
+            raise EngineStepError(f"the engine stopped: {self.lost}")
         sink: asyncio.Queue = asyncio.Queue()
         self._inbox.put(_Add(request_id, list(prompt_token_ids), params, prompt, arrival_time, sink,
                               asyncio.get_running_loop()))
@@ -131,6 +140,14 @@ class AsyncLLMEngine:
                 continue
             try:
                 outputs = self.engine.step()
+            except RunnerLost as error:
+                log.error("the runner is lost; failing every request in flight: %s", error)
+                self.lost = error
+                self._fail(list(self._sinks), EngineStepError(f"the engine stopped: {error}"))
+                self._publish()
+                if self.on_lost is not None:
+                    self.on_lost(error)
+                return
             except StepFailed as error:
                 log.exception("engine step failed; failing its %d request(s)", len(error.request_ids))
                 self._fail(error.request_ids, EngineStepError(f"engine step failed: {error}"))

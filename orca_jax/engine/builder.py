@@ -19,6 +19,7 @@ from orca_jax.engine.runner import ModelRunner
 from orca_jax.engine.step_plan import Buckets
 from orca_jax.parallel.layout import check_parallel
 from orca_jax.parallel.memory_plan import plan_memory
+from orca_jax.parallel.multihost import DistributedConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +33,25 @@ class BuildOptions:
 
 
 def build_engine(config: EngineConfig, options: BuildOptions = BuildOptions(),
-                 loaded: LoadedModel | None = None, devices: list | None = None) -> LLMEngine:
+                 loaded: LoadedModel | None = None, devices: list | None = None,
+                 distributed: DistributedConfig | None = None) -> LLMEngine:
     """Loads the model (pulled on first use), checks the layout, sizes the KV cache, compiles every
-    bucket and returns the engine. Configuration errors raise before anything is allocated."""
+    bucket and returns the engine. Configuration errors raise before anything is allocated. With
+    `distributed` (this process is the leader), the followers must connect before warm-up, which
+    they run in lockstep."""
+    runner, loaded, max_model_len = build_runner(config, options, loaded, devices, distributed)
+    if distributed is not None:
+        from orca_jax.parallel.multihost import PlanSender
+
+        runner.followers = PlanSender(distributed)
+    runner.warm_up(show_progress=options.show_progress)
+    return LLMEngine(config, loaded.config, runner, loaded.tokenizer, max_model_len)
+
+
+def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), loaded: LoadedModel | None = None,
+                 devices: list | None = None, distributed: DistributedConfig | None = None):
+    """The runner, not yet warmed up (a follower process never warms up on its own: it runs the
+    leader's warm-up steps). Returns (runner, loaded model, max_model_len)."""
     if loaded is None:
         ensure_pulled(config.model, log=lambda message: print(message, file=sys.stderr))
         loaded = load_model(config.model)
@@ -47,15 +64,14 @@ def build_engine(config: EngineConfig, options: BuildOptions = BuildOptions(),
     # Pages per device from kv_cache_memory; refuses a cache that cannot hold one max-length sequence.
     plan = plan_memory(model_config, config.parallel, page_size=config.cache.page_size, max_model_len=max_model_len,
                        kv_cache_memory=config.cache.kv_cache_memory)
-    buckets = bucket_set(config, options)
     runner = ModelRunner(loaded.model, num_pages=plan.num_pages, page_size=config.cache.page_size,
-                         max_model_len=max_model_len, buckets=buckets, attention_impl=config.attention_impl,
-                         parallel=config.parallel, devices=devices)
+                         max_model_len=max_model_len, buckets=bucket_set(config, options),
+                         attention_impl=config.attention_impl, parallel=config.parallel, devices=devices,
+                         step_timeout=None if distributed is None else distributed.step_timeout)
     if options.show_progress:
         print(f"orca_jax: {model_config.name}, policy {config.scheduler.policy}, {runner.describe()}\n"
               f"{plan.one_line()}", file=sys.stderr)
-    runner.warm_up(show_progress=options.show_progress)
-    return LLMEngine(config, model_config, runner, loaded.tokenizer, max_model_len)
+    return runner, loaded, max_model_len
 
 
 def bucket_set(config: EngineConfig, options: BuildOptions) -> Buckets:

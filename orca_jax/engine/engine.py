@@ -23,7 +23,7 @@ from orca_jax.engine.detokenizer import IncrementalDetokenizer
 from orca_jax.engine.kv_manager import KVCacheManager
 from orca_jax.engine.request import Request, RequestStatus
 from orca_jax.engine.scheduler import Scheduler, SchedulerOutput
-from orca_jax.engine.step_plan import Runner
+from orca_jax.engine.step_plan import Runner, RunnerLost
 from orca_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from orca_jax.sampling_params import MAX_STOP_IDS, SamplingParams
 from orca_jax.tokenizer import Tokenizer
@@ -218,6 +218,8 @@ class LLMEngine:
     def _dispatch(self, plan: SchedulerOutput) -> None:
         try:
             pending = self.runner.dispatch(plan)
+        except RunnerLost:
+            raise  # not this step's fault: nothing can run any more
         except Exception as error:
             raise self._step_failed(plan, error) from error
         for planned in plan.scheduled:
@@ -231,6 +233,8 @@ class LLMEngine:
             planned.request.in_flight = False
         try:
             sampled = self.runner.collect(pending)
+        except RunnerLost:
+            raise
         except Exception as error:
             raise self._step_failed(plan, error) from error
         self.num_steps += 1

@@ -9,12 +9,19 @@ waits: jax dispatches asynchronously, so while stage 1 computes step n, stage 0 
 step n + 1 (the engine keeps up to `max_in_flight` = pp steps dispatched). `collect` copies back
 the step's one small result (sampled tokens).
 
+Across processes (parallel/multihost.py) a stage lives on one process; each process builds only the
+stages it owns, the leader sends every plan to the followers before running it, and every process
+runs every plan: its own stages, and its side of each transfer between processes (a process that
+does not hold a stage's output passes a placeholder with the output's shape and no local data).
+
 Every bucket is compiled at warm-up; `num_compilations_after_warmup` counts any compilation after
 that (it must stay 0: a recompile in serving is a multi-second stall).
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -30,14 +37,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Int
 from tqdm.auto import tqdm
 
-from orca_jax.config import REPO_ROOT, ParallelConfig
+from orca_jax.config import REPO_ROOT, ConfigError, ParallelConfig
 from orca_jax.engine.scheduler import SchedulerOutput
-from orca_jax.engine.step_plan import (Buckets, KVLayout, SampledToken, StepPlan, build_step_plan, padding_plan,
-                                       sampled_tokens)
+from orca_jax.engine.step_plan import (Buckets, KVLayout, RunnerLost, SampledToken, StepPlan, build_step_plan,
+                                       padding_plan, sampled_tokens)
 from orca_jax.model.attention import AttentionMetadata
 from orca_jax.model.decoder import Decoder, DecoderStage
 from orca_jax.model.paged_attention import resolve_attention_impl
 from orca_jax.model.sampler import SamplerOutput, SamplingMetadata, sample
+from orca_jax.sampling_params import MAX_LOGPROBS
 from orca_jax.parallel import kv_cache_sharding, param_shardings, stage_meshes
 from orca_jax.parallel.layout import check_parallel, kv_heads_for_tp, stage_layer_ranges
 from orca_jax.parallel.tensor_parallel import replicate_kv_heads, sharded_paged_attention
@@ -93,12 +101,13 @@ class Stage:
     index: int
     layers: range
     mesh: Mesh
-    params: Any  # nnx.State of the stage's DecoderStage, sharded by the logical-axis rules
-    kv_caches: list  # one (k_pages, v_pages) per layer of the stage
-    program: Callable  # jitted (params, kv_caches, x, inputs, sampling) -> (x or SamplerOutput, kv_caches)
     replicated: NamedSharding  # step inputs and activations: whole on every device of the stage
     first: bool
     last: bool
+    local: bool  # this process owns the stage's devices; otherwise the three fields below are empty
+    params: Any = None  # nnx.State of the stage's DecoderStage, sharded by the logical-axis rules
+    kv_caches: list = dataclasses.field(default_factory=list)  # one (k_pages, v_pages) per layer
+    program: Callable | None = None  # jitted (params, kv_caches, x, inputs, sampling) -> (x or SamplerOutput, kv_caches)
 
 
 @dataclasses.dataclass
@@ -122,9 +131,12 @@ class ModelRunner:
         attention_impl: str,
         parallel: ParallelConfig,
         devices: list | None = None,
+        step_timeout: float | None = None,
     ):
         """`attention_impl`: "auto", "xla", "pallas" or "pallas-interpret", resolved here for the
-        devices' platform. `devices` (default: all of jax.devices()) are split into pp x tp."""
+        devices' platform. `devices` (default: all of jax.devices(), every process's) are split
+        into pp x tp. `step_timeout`: seconds to wait for a step's result from other processes
+        before raising RunnerLost (multi-host only; warm-up allows ten times as long, for compiles)."""
         enable_compilation_cache()
         config = model.config
         meshes = stage_meshes(parallel, devices)
@@ -141,12 +153,31 @@ class ModelRunner:
         kv_shape = (num_pages + 1, page_size, num_kv_heads, config.head_dim)  # + the scratch page
         ranges = stage_layer_ranges(config.n_layers, parallel.pipeline_parallel_size)
         self.stages = [self._build_stage(i, model, ranges[i], meshes[i], kv_shape) for i in range(len(ranges))]
+        self.multi_process = not all(stage.local for stage in self.stages)
+        if self.stages[0].mesh.devices.flat[0].process_index != 0:
+            raise ConfigError("the leader (process 0) must hold the first pipeline stage: give every process the "
+                              "same number of devices")
+        self.followers = None  # the leader's multihost.PlanSender, attached by the builder
+        self.step_timeout = step_timeout
+        # A result transfer from another process cannot be given a deadline, so the leader waits on
+        # a helper thread and stops waiting at the deadline (the wait is abandoned, not the step).
+        self._waiter = concurrent.futures.ThreadPoolExecutor(1, "orca-jax-result") if self.multi_process else None
+        self._follower_outputs: collections.deque = collections.deque()  # a follower's recent stage outputs
+        self._last_local_output = None
         self._zero_penalties: dict[int, tuple[jax.Array, jax.Array]] = {}
         self._warm_cache_size: int | None = None
         self.stats = RunnerStats()
 
     def _build_stage(self, index: int, model: Decoder, layers: range, mesh: Mesh, kv_shape) -> Stage:
         first, last = index == 0, index == self.parallel.pipeline_parallel_size - 1
+        replicated = NamedSharding(mesh, PartitionSpec())
+        owners = {device.process_index for device in mesh.devices.flat}
+        if len(owners) > 1:
+            raise ConfigError(f"pipeline stage {index} spans processes {sorted(owners)}: a stage's "
+                              f"tensor_parallel_size={mesh.size} devices must be on one process (make tp divide "
+                              "each process's device count)")
+        if owners != {jax.process_index()}:
+            return Stage(index, layers, mesh, replicated, first, last, local=False)
         graphdef, state = nnx.split(DecoderStage(model, layers, first=first, last=last))
         num_kv_heads = kv_shape[2]
         if num_kv_heads != self.config.n_kv_heads:
@@ -164,12 +195,11 @@ class ModelRunner:
             out, kv_caches = stage(inputs.token_ids if first else x, meta, kv_caches, inputs.logits_index, attention)
             return (sample(out, sampling) if last else out), kv_caches
 
-        replicated = NamedSharding(mesh, PartitionSpec())
         # Pinning output placements keeps the donated caches' sharding identical across steps, so
         # the jit cache key never changes after warm-up.
         jitted = jax.jit(program, donate_argnums=(1,), out_shardings=(replicated, kv_sharding))
-        return Stage(index, layers, mesh, params, [(zeros(), zeros()) for _ in layers], jitted, replicated,
-                     first, last)
+        return Stage(index, layers, mesh, replicated, first, last, local=True, params=params,
+                     kv_caches=[(zeros(), zeros()) for _ in layers], program=jitted)
 
     @property
     def num_pages(self) -> int:
@@ -195,7 +225,8 @@ class ModelRunner:
         start = time.perf_counter()
         pairs = self.buckets.pairs()
         for tokens, seqs in tqdm(pairs, desc="compiling buckets", disable=not show_progress, leave=False):
-            jax.block_until_ready(self.run_plan(padding_plan(tokens, seqs, self.kv_layout, self.config.vocab_size)))
+            plan = padding_plan(tokens, seqs, self.kv_layout, self.config.vocab_size)
+            self._wait(self.run_plan(plan), 10 * self.step_timeout if self.step_timeout else None)
         elapsed = time.perf_counter() - start
         self._warm_cache_size = self._cache_size()
         self.stats = RunnerStats()
@@ -206,7 +237,7 @@ class ModelRunner:
         return elapsed
 
     def _cache_size(self) -> int:
-        return sum(stage.program._cache_size() for stage in self.stages)
+        return sum(stage.program._cache_size() for stage in self.stages if stage.local)
 
     @property
     def num_compilations_after_warmup(self) -> int:
@@ -235,23 +266,63 @@ class ModelRunner:
     def collect(self, pending: Pending) -> dict[str, SampledToken]:
         """Waits for a dispatched step and copies back its result: the step's one device -> host copy."""
         start = time.perf_counter()
-        result = jax.device_get(pending.result)
+        result = self._wait(pending.result, self.step_timeout)
         self.stats.device_s += time.perf_counter() - start
         return sampled_tokens(pending.plan, result.tokens, result.logprob, result.top_ids, result.top_logprobs)
 
+    def _wait(self, result: SamplerOutput, timeout: float | None):
+        if self._waiter is None:
+            return jax.device_get(result)
+        try:
+            return self._waiter.submit(jax.device_get, result).result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise RunnerLost(f"no step result from the other processes within {timeout:.0f} s: a follower "
+                             "stalled or died") from None
+        except jax.errors.JaxRuntimeError as error:
+            raise RunnerLost(f"a follower process failed: {error}") from error
+
     def run_plan(self, plan: StepPlan) -> SamplerOutput:
-        """Dispatches a plan through every stage; returns the last stage's result on its devices."""
+        """Dispatches a plan through every stage; returns the result on the leader's devices (on a
+        follower: a placeholder, its data on the leader)."""
+        if self.followers is not None:
+            self.followers.send(plan)
         inputs = StepInputs.of(plan)
+        num_tokens, num_seqs = plan.bucket
         x = None
         for stage in self.stages:
-            # One explicit placement for host arrays and device-resident ones alike: mixing the two
-            # would give the jit cache two keys for one bucket.
-            stage_inputs = jax.device_put(inputs, stage.replicated)
-            sampling = self._sampling_metadata(plan, stage) if stage.last else None
-            if x is not None:
-                x = jax.device_put(x, stage.replicated)  # activations to the next stage's devices
-            x, stage.kv_caches = stage.program(stage.params, stage.kv_caches, x, stage_inputs, sampling)
+            if not stage.first:  # the previous stage's activations, to this stage's devices
+                x = self._move(x, self.stages[stage.index - 1], stage.replicated,
+                               jax.ShapeDtypeStruct((num_tokens, self.config.d_model), jnp.dtype(self.config.dtype)))
+            if stage.local:
+                # One explicit placement for host arrays and device-resident ones alike: mixing the
+                # two would give the jit cache two keys for one bucket.
+                stage_inputs = jax.device_put(inputs, stage.replicated)
+                sampling = self._sampling_metadata(plan, stage) if stage.last else None
+                x, stage.kv_caches = stage.program(stage.params, stage.kv_caches, x, stage_inputs, sampling)
+                self._last_local_output = x
+        if self.multi_process:
+            x = self._move(x, self.stages[-1], self.stages[0].replicated, _result_shapes(num_seqs))
         return x
+
+    def _move(self, value, source: Stage, destination: NamedSharding, shapes):
+        """`device_put` of a stage's output to `destination`. Between processes both sides make the
+        call: the holder with the data, the other with a placeholder of the same shapes."""
+        receiving = destination.mesh.devices.flat[0].process_index == jax.process_index()
+        if not source.local and not receiving:
+            return None  # between two other processes
+        if not source.local:
+            value = jax.tree.map(
+                lambda s: jax.make_array_from_single_device_arrays(s.shape, source.replicated, [], dtype=s.dtype),
+                shapes)
+        return jax.device_put(value, destination)
+
+    def follow_plan(self, plan: StepPlan) -> None:
+        """A follower's step: the same calls as the leader's, its results staying on the leader. At
+        most a few steps run ahead (past ~32 executions queued, transfers deadlock)."""
+        self.run_plan(plan)
+        self._follower_outputs.append(self._last_local_output)
+        if len(self._follower_outputs) > self.max_in_flight + 1:
+            jax.block_until_ready(self._follower_outputs.popleft())
 
     def _sampling_metadata(self, plan: StepPlan, stage: Stage) -> SamplingMetadata:
         fields = dict(plan.sampling)
@@ -267,3 +338,13 @@ class ModelRunner:
                 (np.zeros((num_seqs, vocab), np.int32), np.zeros((num_seqs, vocab), bool)), stage.replicated
             )
         return self._zero_penalties[num_seqs]
+
+
+def _result_shapes(num_seqs: int) -> SamplerOutput:
+    """The shapes of the sampler's output for `num_seqs` rows (placeholders between processes)."""
+    def shape(*dims, dtype):
+        return jax.ShapeDtypeStruct(dims, jnp.dtype(dtype))
+
+    return SamplerOutput(tokens=shape(num_seqs, dtype=jnp.int32), logprob=shape(num_seqs, dtype=jnp.float32),
+                         top_ids=shape(num_seqs, MAX_LOGPROBS, dtype=jnp.int32),
+                         top_logprobs=shape(num_seqs, MAX_LOGPROBS, dtype=jnp.float32))

@@ -104,6 +104,11 @@ class SampledToken:
     top: tuple[list[int], list[float]] | None  # top-N ids and logprobs, when the request asked
 
 
+class RunnerLost(RuntimeError):
+    """The runner can run no more steps: a follower process died or stalled (multi-host). Unlike a
+    failed step, nothing can go on: every request in flight fails with it and the process exits."""
+
+
 class Runner(Protocol):
     """What the engine needs of a runner (the model runner, or a mock in scheduler tests)."""
 

@@ -8,6 +8,9 @@ than drops:
 2. wait up to `shutdown_timeout` seconds for the requests in flight to finish;
 3. cancel whatever is left (each cancelled request is aborted in the engine, its pages freed);
 4. clean the app up (which stops the engine thread) and return 0.
+
+An engine that loses its runner (a multi-host follower died) stops the server the same way, and
+`serve` returns 1.
 """
 
 from __future__ import annotations
@@ -55,7 +58,11 @@ async def serve(settings: ServerSettings, engine_factory: Callable[[], AsyncLLME
         exit_code = 1
     elif state.engine is not None:
         log.info("ready: serving %s", settings.model_name)
+        state.engine.on_lost = lambda error: loop.call_soon_threadsafe(stop.set)
         await stopping
+        if state.engine.lost is not None:
+            log.error("stopping: the engine can run no more steps (%s)", state.engine.lost)
+            exit_code = 1
     loading.cancel()
     stopping.cancel()
 
