@@ -68,7 +68,10 @@ ITERATION_LEVEL = ("orca", "paged", "chunked")
 
 class TimingRunner:
     """The model runner, plus a clock: records when each request's tokens are produced and the
-    shape of every step. The engine sees the same runner (same compiled buckets, same KV arrays)."""
+    shape of every step. The engine sees the same runner (same compiled buckets, same KV arrays),
+    one step at a time (each step is timed whole, so none overlaps another)."""
+
+    max_in_flight = 1
 
     def __init__(self, runner):
         self.runner = runner
@@ -77,7 +80,8 @@ class TimingRunner:
         self.steps: list[tuple[int, int, int]] = []  # (tokens, sequences, static padding rows)
         self.step_seconds: list[float] = []  # the runner's time for each step
 
-    def execute(self, plan):
+    def dispatch(self, plan):
+        """Runs the step to completion; `collect` hands back its tokens."""
         start = time.perf_counter()
         sampled = self.runner.execute(plan)
         self.step_seconds.append(time.perf_counter() - start)
@@ -85,6 +89,9 @@ class TimingRunner:
         for request_id in sampled:
             self.token_times[request_id].append(now)
         self.steps.append((plan.num_batched_tokens, len(plan.scheduled), plan.num_padding_seqs))
+        return sampled
+
+    def collect(self, sampled):
         return sampled
 
 

@@ -40,7 +40,11 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
+    """Tiling and Triton tuning knobs of the GPU kernel."""
+
     block_q: int = 16  # query tokens per program; a power of two (Triton tiles), >= 16 for tl.dot
+    num_warps: int = 4
+    num_stages: int = 2
 
     def __post_init__(self) -> None:
         if self.block_q < 1 or self.block_q & (self.block_q - 1):
@@ -169,10 +173,14 @@ def ragged_paged_attention(
     whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
     pages_of_head = pl.BlockSpec((num_pages, page_size, None, head_dim), lambda i, h: (0, 0, h, 0))
     compiler_params = None
-    if not interpret and jax.default_backend() == "gpu":
+    if not interpret:
+        # Always Triton when compiled, whatever backend traces it: without these params jax lowers
+        # for GPU through Mosaic GPU, which this kernel's page blocks do not fit (DESIGN.md, facts),
+        # and with them `jax.export(..., platforms=["cuda"])` checks the GPU lowering on a CPU host.
         from jax.experimental.pallas import triton as pl_triton
 
-        compiler_params = pl_triton.CompilerParams(num_warps=4, num_stages=2)
+        compiler_params = pl_triton.CompilerParams(num_warps=block_sizes.num_warps,
+                                                   num_stages=block_sizes.num_stages)
     out = pl.pallas_call(
         functools.partial(_kernel, num_seqs=num_seqs, group=group),
         grid=(padded_tokens // block_q, num_kv_heads),

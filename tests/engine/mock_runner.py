@@ -18,9 +18,6 @@ class MockRunner:
         self.plans = []
         self.pending: list = []  # plans dispatched and not yet collected
 
-    def execute(self, plan):
-        return self.collect(self.dispatch(plan))
-
     def dispatch(self, plan):
         held = {p.request.request_id for other in self.pending for p in other.scheduled}
         assert not held & {p.request.request_id for p in plan.scheduled}, "a request in two steps in flight"

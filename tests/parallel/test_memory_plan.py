@@ -5,7 +5,6 @@ import dataclasses
 import pytest
 
 from orca_jax.config import ConfigError, ParallelConfig, load_model_preset
-from orca_jax.engine.engine import bytes_per_kv_page
 from orca_jax.model.decoder import abstract_decoder
 from orca_jax.parallel import mesh
 from orca_jax.parallel.memory_plan import RESERVE_FRACTION, _flat_params, param_shapes, plan_memory
@@ -107,10 +106,11 @@ def test_replicated_kv_heads_cost_what_native_ones_do():
     assert replicated.stages == native.stages
 
 
-def test_one_device_plan_matches_the_engines_page_count():
+def test_one_device_plan_counts_pages_by_hand():
     model = load_model_preset("smollm2-135m-instruct")
     plan = plan_memory(model, ParallelConfig(), page_size=16, kv_cache_memory=GiB)
-    assert plan.num_pages == GiB // bytes_per_kv_page(model, 16)
+    page_bytes = 30 * 2 * 16 * 3 * 64 * 4  # layers x (K, V) x tokens x KV heads x head_dim x float32
+    assert plan.kv_bytes_per_page == page_bytes and plan.num_pages == GiB // page_bytes == 1456
     assert plan.param_bytes == model.num_params() * 4
 
 
