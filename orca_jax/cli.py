@@ -292,14 +292,20 @@ def _serve(args: argparse.Namespace) -> int:
     if dist is not None and not dist.is_leader:
         return _multihost(dist, lambda: _follow(config, dist))
 
+    built = []  # the LLM, once the server's warm-up thread has made it
+
     def build_engine():
         from orca_jax import LLM
         from orca_jax.engine.async_engine import AsyncLLMEngine
 
-        return AsyncLLMEngine(LLM(config=config, distributed=dist).engine)
+        built.append(LLM(config=config, distributed=dist))
+        return AsyncLLMEngine(built[0].engine)
 
     def run() -> int:
-        return asyncio.run(serve(settings, build_engine, args.host, args.port, shutdown_timeout=args.shutdown_timeout))
+        code = asyncio.run(serve(settings, build_engine, args.host, args.port, shutdown_timeout=args.shutdown_timeout))
+        if code == 0 and built and built[0].runner.followers is not None:
+            built[0].runner.followers.close()  # tells the followers to exit 0 too
+        return code
 
     return run() if dist is None else _multihost(dist, run)
 

@@ -128,7 +128,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16  # tokens per KV page
-    kv_cache_memory: int = 1 << 30  # bytes of device memory for the KV cache
+    kv_cache_memory: int = 1 << 30  # bytes of KV cache on each device (its stage's layers, its share of the heads)
     enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:

@@ -116,7 +116,6 @@ class Pending:
 
     plan: StepPlan
     result: SamplerOutput
-    dispatched_at: float
 
 
 class ModelRunner:
@@ -261,7 +260,7 @@ class ModelRunner:
         self.stats.real_tokens += plan.num_real_tokens
         result = self.run_plan(plan)
         self.stats.device_s += time.perf_counter() - dispatched
-        return Pending(plan, result, dispatched)
+        return Pending(plan, result)
 
     def collect(self, pending: Pending) -> dict[str, SampledToken]:
         """Waits for a dispatched step and copies back its result: the step's one device -> host copy."""
