@@ -15,7 +15,9 @@ Per layout it reports:
 - step time of each stage, measured alone (block_until_ready) on the most common bucket;
 - iterations in flight: how often the engine had 1, 2, ... steps dispatched (max = pipeline depth);
 - bubble: the fraction of the run a stage sat idle, 1 - (its busy time / wall time), where its busy
-  time adds up its alone-measured time over the buckets of every step it ran.
+  time adds up its alone-measured time over the buckets of every step it ran. The stage times are
+  measured on padding steps (no cached context, so attention is cheaper than in the run): the busy
+  time is a lower bound and the bubble an upper bound.
 Saves a JSON and a plot beside it.
 """
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from orca_jax.config import DEFAULT_MODEL
-from orca_jax.parallel.plan_cli import add_plan_arguments, run_plan
+from orca_jax.parallel.plan_cli import add_plan_arguments, plan_command
 from orca_jax.sizes import byte_size
 
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return _bench(args.name, args.bench_args)
     if args.command == "plan":
-        return run_plan(args)
+        return plan_command(args)
     if args.command == "serve":
         from orca_jax.checkpoint.store import CheckpointError
 
@@ -226,7 +226,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _multihost(dist, run) -> int:
-    """Runs a multi-host process and ends it with its exit code; a lost peer is one clean error line."""
+    """Runs a multi-host process and ends it with its exit code; any failure is one clean error line
+    (not a normal interpreter exit: with a peer gone, jax's shutdown can block forever)."""
     from orca_jax.engine.step_plan import RunnerLost
     from orca_jax.parallel.multihost import exit_now, initialize
 
@@ -238,9 +239,9 @@ def _multihost(dist, run) -> int:
     initialize(dist)
     try:
         code = run()
-    except RunnerLost as error:
+    except BaseException as error:  # noqa: BLE001 - whatever it was, leave through exit_now
         print(f"error: {error}", file=sys.stderr)
-        code = 1
+        code = 2 if isinstance(error, ValueError) and not isinstance(error, RunnerLost) else 1
     exit_now(code)
 
 
@@ -273,24 +274,25 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         force=True)
     logging.getLogger("orca_jax").setLevel(logging.INFO)
-    config = engine_config(args)
-    # A missing checkpoint fails here, before the port opens, with the command that makes it.
-    from orca_jax.checkpoint.convert import ensure_pulled
+    config, dist = engine_config(args), distributed_config(args)
+    # A missing checkpoint fails here, before the port opens, with the command that makes it. Several
+    # processes do not pull (they would race on one folder): the checkpoint must be there.
     from orca_jax.checkpoint.store import (CheckpointError, is_complete, missing_checkpoint_message,
                                            resolve_checkpoint_dir)
 
-    ensure_pulled(config.model, log=lambda message: print(message, file=sys.stderr))
+    if dist is None:
+        from orca_jax.checkpoint.convert import ensure_pulled
+
+        ensure_pulled(config.model, log=lambda message: print(message, file=sys.stderr))
     checkpoint = resolve_checkpoint_dir(config.model)
     if not is_complete(checkpoint):
         raise CheckpointError(missing_checkpoint_message(config.model, checkpoint))
+    if dist is not None and not dist.is_leader:
+        return _multihost(dist, lambda: _follow(config, dist))
     settings = ServerSettings(
         model_name=args.served_model_name or config.model,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes)
-
-    dist = distributed_config(args)
-    if dist is not None and not dist.is_leader:
-        return _multihost(dist, lambda: _follow(config, dist))
 
     built = []  # the LLM, once the server's warm-up thread has made it
 

@@ -50,7 +50,8 @@ def tiny_trained():
 # Runners are compiled once per session and shared by engine and server tests.
 def warm_tiny_runner(tiny_trained, attention_impl, tp=1, pp=1):
     from orca_jax.config import ParallelConfig
-    from orca_jax.engine.runner import Buckets, ModelRunner
+    from orca_jax.engine.runner import ModelRunner
+    from orca_jax.engine.step_plan import Buckets
 
     runner = ModelRunner(tiny_trained.model, num_pages=160, page_size=4, max_model_len=128,
                          buckets=Buckets(tokens=(16, 64), seqs=(4, 8)), attention_impl=attention_impl,
@@ -61,7 +62,8 @@ def warm_tiny_runner(tiny_trained, attention_impl, tp=1, pp=1):
 
 def warm_smollm2_runner(smollm2, tp=1, pp=1):
     from orca_jax.config import ParallelConfig
-    from orca_jax.engine.runner import Buckets, ModelRunner
+    from orca_jax.engine.runner import ModelRunner
+    from orca_jax.engine.step_plan import Buckets
 
     runner = ModelRunner(smollm2.model, num_pages=96, page_size=16, max_model_len=2048,
                          buckets=Buckets(tokens=(32, 128), seqs=(8,)), attention_impl="xla",

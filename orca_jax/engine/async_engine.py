@@ -97,11 +97,11 @@ class AsyncLLMEngine:
         iteration early (cancellation, a closed connection) aborts the request. `arrival_time`
         (time.monotonic) defaults to when the engine thread picks the request up."""
         request_id = request_id or f"req-{next(self._ids)}"
-        if self.lost is not None:
-            raise EngineStepError(f"the engine stopped: {self.lost}")
         sink: asyncio.Queue = asyncio.Queue()
         self._inbox.put(_Add(request_id, list(prompt_token_ids), params, prompt, arrival_time, sink,
                               asyncio.get_running_loop()))
+        if self.lost is not None:  # after the put: the engine thread may have ended before it
+            raise EngineStepError(f"the engine stopped: {self.lost}")
         finished = False
         try:
             while True:
@@ -143,7 +143,15 @@ class AsyncLLMEngine:
             except RunnerLost as error:
                 log.error("the runner is lost; failing every request in flight: %s", error)
                 self.lost = error
-                self._fail(list(self._sinks), EngineStepError(f"the engine stopped: {error}"))
+                failure = EngineStepError(f"the engine stopped: {error}")
+                self._fail(list(self._sinks), failure)
+                while True:  # requests that arrived during the lost step
+                    try:
+                        command = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if isinstance(command, _Add):
+                        command.loop.call_soon_threadsafe(command.sink.put_nowait, failure)
                 self._publish()
                 if self.on_lost is not None:
                     self.on_lost(error)

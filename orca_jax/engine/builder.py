@@ -43,7 +43,7 @@ def build_engine(config: EngineConfig, options: BuildOptions = BuildOptions(),
     if distributed is not None:
         from orca_jax.parallel.multihost import PlanSender
 
-        runner.followers = PlanSender(distributed)
+        runner.followers = PlanSender(distributed, runner.layout_key())
     runner.warm_up(show_progress=options.show_progress)
     return LLMEngine(config, loaded.config, runner, loaded.tokenizer, max_model_len)
 
@@ -53,7 +53,8 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
     """The runner, not yet warmed up (a follower process never warms up on its own: it runs the
     leader's warm-up steps). Returns (runner, loaded model, max_model_len)."""
     if loaded is None:
-        ensure_pulled(config.model, log=lambda message: print(message, file=sys.stderr))
+        if distributed is None:  # several processes pulling into one folder would race: pull first
+            ensure_pulled(config.model, log=lambda message: print(message, file=sys.stderr))
         loaded = load_model(config.model)
     model_config = loaded.config
     check_parallel(model_config, config.parallel)  # before the devices are even counted

@@ -52,7 +52,6 @@ from orca_jax.parallel.tensor_parallel import replicate_kv_heads, sharded_paged_
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Buckets", "ModelRunner", "RunnerStats", "SampledToken", "enable_compilation_cache"]
 
 
 def enable_compilation_cache() -> None:
@@ -138,8 +137,8 @@ class ModelRunner:
         before raising RunnerLost (multi-host only; warm-up allows ten times as long, for compiles)."""
         enable_compilation_cache()
         config = model.config
+        check_parallel(config, parallel)
         meshes = stage_meshes(parallel, devices)
-        check_parallel(config, parallel, len(meshes) * meshes[0].size)
         self.config = config
         self.parallel = parallel
         self.kv_layout = KVLayout(num_pages, page_size, -(-max_model_len // page_size))
@@ -212,6 +211,10 @@ class ModelRunner:
     def max_pages_per_seq(self) -> int:
         return self.kv_layout.max_pages_per_seq
 
+    def layout_key(self) -> str:
+        """Everything the processes of one model must agree on (multi-host checks it at start-up)."""
+        return repr((self.config, self.parallel, self.kv_layout, self.buckets, self.attention_impl))
+
     def describe(self) -> str:
         tp, pp = self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
         stages = ", ".join(f"layers {s.layers.start}-{s.layers.stop - 1} on {[d.id for d in s.mesh.devices.flat]}"
@@ -283,8 +286,18 @@ class ModelRunner:
     def run_plan(self, plan: StepPlan) -> SamplerOutput:
         """Dispatches a plan through every stage; returns the result on the leader's devices (on a
         follower: a placeholder, its data on the leader)."""
+        if not self.multi_process:
+            return self._run_stages(plan)
         if self.followers is not None:
             self.followers.send(plan)
+        try:
+            return self._run_stages(plan)
+        except Exception as error:
+            # The other processes are already running this plan and expect this one's side of
+            # every transfer: one process failing its part leaves them out of step for good.
+            raise RunnerLost(f"process {jax.process_index()} failed a step the others are running: {error}") from error
+
+    def _run_stages(self, plan: StepPlan) -> SamplerOutput:
         inputs = StepInputs.of(plan)
         num_tokens, num_seqs = plan.bucket
         x = None

@@ -229,7 +229,7 @@ def plan_memory(
                 f"{format_bytes(device_memory)}: short by {format_bytes(over)} per device; lower kv_cache_memory "
                 f"to {format_bytes(kv_cache_memory - over)} or {FIX}"
             )
-    # As LLM counts them today; the runner adds one scratch page (padding writes) that the reserve covers.
+    # The runner adds one scratch page (padding writes) beyond these, which the reserve covers.
     num_pages = min(budget // s.kv_bytes_per_page for budget, s in zip(budgets, stages))
 
     pages_per_sequence = math.ceil(max_model_len / page_size)

@@ -8,9 +8,11 @@ How the processes meet:
 2. Every process builds the same ModelRunner from the same flags. Stages are laid over the global
    device list, one stage on one process; a process holds parameters, KV arrays and a compiled
    program only for the stages it owns.
-3. Process 0, the leader, runs the scheduler and the server or offline API. Every step (warm-up
-   included) it sends the StepPlan, plain numpy arrays, to every follower over a TCP connection
-   (`PlanSender`, on the coordinator's port + 1), then runs the plan itself.
+3. Process 0, the leader, runs the scheduler and the server or offline API. It first sends each
+   follower its runner's layout key (model, layout, pages, buckets), which the follower checks
+   against its own, so processes started with different flags stop with an error instead of
+   hanging. Then every step (warm-up included) it sends the StepPlan, plain numpy arrays, to every
+   follower over that TCP connection (`PlanSender`, on the coordinator's port + 1), and runs it.
 4. A follower (`follow`) runs each plan it receives: its own stages, and its side of every
    cross-process `jax.device_put` (activations from the previous stage's process, the sampled
    tokens back to the leader). Both sides of a transfer must make the same call in the same order,
@@ -111,7 +113,7 @@ def _receive_exactly(sock: socket.socket, size: int) -> bytes:
 class PlanSender:
     """The leader's end: one connection per follower; every plan goes to all of them."""
 
-    def __init__(self, dist: DistributedConfig):
+    def __init__(self, dist: DistributedConfig, layout_key: str):
         host, port = dist.plan_address
         self._server = socket.create_server(("", port))
         self._server.settimeout(dist.connect_timeout)
@@ -120,6 +122,8 @@ class PlanSender:
             for _ in range(dist.num_processes - 1):
                 conn, _ = self._server.accept()
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.settimeout(dist.step_timeout)  # a stalled follower stops reading: bound the send too
+                _send(conn, layout_key)
                 self._followers.append(conn)
         except socket.timeout:
             raise RunnerLost(f"{len(self._followers)} of {dist.num_processes - 1} follower process(es) connected "
@@ -161,11 +165,16 @@ def connect_to_leader(dist: DistributedConfig) -> socket.socket:
 
 def follow(runner, dist: DistributedConfig) -> int:
     """A follower's life: run every plan the leader sends, in order. Returns the exit code: 0 when
-    the leader said it was done, 1 when it went away."""
+    the leader said it was done, 1 when it went away or a step failed, 2 when the flags differ."""
     conn = connect_to_leader(dist)
     log.info("process %d following the leader at %s", dist.process_id, dist.plan_address)
     steps = 0
     try:
+        leader_key = _receive(conn)
+        if leader_key != runner.layout_key():
+            log.error("this process was started with other engine settings than the leader; give every "
+                      "process the same flags.\n  leader: %s\n  here:   %s", leader_key, runner.layout_key())
+            return 2
         while True:
             plan = _receive(conn)
             if plan is None:
@@ -175,6 +184,9 @@ def follow(runner, dist: DistributedConfig) -> int:
             steps += 1
     except (ConnectionError, OSError) as error:
         log.error("lost the leader after %d steps: %s", steps, error)
+        return 1
+    except Exception as error:  # noqa: BLE001 - a failed step: the processes are out of step for good
+        log.error("step %d failed on this process: %s", steps, error)
         return 1
     finally:
         conn.close()

@@ -1,7 +1,7 @@
 """`orca-jax plan`: does a model fit a tp x pp layout, and how many KV pages does it get?
 
 Importing this module does not import jax (cli.py builds every subcommand's parser at start-up);
-`run_plan` imports the planner when it runs.
+`plan_command` imports the planner when it runs.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def resolve_model_config(name_or_path: str) -> ModelConfig:
     )
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def plan_command(args: argparse.Namespace) -> int:
     """Prints the plan and returns 0, or prints `error: ...` to stderr and returns 2."""
     from orca_jax.parallel.memory_plan import plan_memory
 

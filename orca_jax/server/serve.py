@@ -59,6 +59,8 @@ async def serve(settings: ServerSettings, engine_factory: Callable[[], AsyncLLME
     elif state.engine is not None:
         log.info("ready: serving %s", settings.model_name)
         state.engine.on_lost = lambda error: loop.call_soon_threadsafe(stop.set)
+        if state.engine.lost is not None:  # lost before the callback was in place
+            stop.set()
         await stopping
         if state.engine.lost is not None:
             log.error("stopping: the engine can run no more steps (%s)", state.engine.lost)

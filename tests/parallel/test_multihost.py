@@ -93,7 +93,7 @@ def wait_for_generation(leader: subprocess.Popen) -> None:
 
 @pytest.mark.parametrize("failure", ["killed", "stalled"])
 def test_a_lost_follower_fails_the_leader_in_bounded_time(failure):
-    many = [f"<s> {i} {i + 1}" for i in range(1, 41)]  # 40 requests x 100 tokens: seconds of work
+    many = [f"<s> {i % 50} {i % 50 + 1}" for i in range(200)]  # 200 counts of ~50 tokens: ~10 s of work
     leader, follower = start_pair(["--max-tokens", "100", *many], step_timeout=5)
     try:
         wait_for_generation(leader)
@@ -108,4 +108,22 @@ def test_a_lost_follower_fails_the_leader_in_bounded_time(failure):
     assert code == 1
     assert "error:" in err and ("follower" in err), err[-2000:]
     assert ">>>" not in out  # no partial results printed as if complete
+    assert elapsed < 60
+
+
+def test_a_follower_whose_leader_dies_exits_non_zero_in_bounded_time():
+    many = [f"<s> {i % 50} {i % 50 + 1}" for i in range(200)]
+    leader, follower = start_pair(["--max-tokens", "100", *many])
+    try:
+        wait_for_generation(leader)
+        time.sleep(0.5)
+        os.killpg(leader.pid, signal.SIGKILL)
+        start = time.monotonic()
+        code, _, err = finish(follower, 120)
+        elapsed = time.monotonic() - start
+    finally:
+        if leader.poll() is None:
+            os.killpg(leader.pid, signal.SIGKILL)
+        leader.communicate()
+    assert code != 0, err[-2000:]
     assert elapsed < 60

@@ -4,13 +4,13 @@ import pytest
 
 from orca_jax.config import ParallelConfig, load_model_preset, model_config_to_toml
 from orca_jax.parallel.memory_plan import plan_memory
-from orca_jax.parallel.plan_cli import add_plan_arguments, run_plan
+from orca_jax.parallel.plan_cli import add_plan_arguments, plan_command
 
 
 def plan(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="orca-jax plan")
     add_plan_arguments(parser)
-    return run_plan(parser.parse_args(argv))
+    return plan_command(parser.parse_args(argv))
 
 
 def test_prints_the_plan_of_a_preset(capsys):
