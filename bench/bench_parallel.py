@@ -79,11 +79,11 @@ def main() -> None:
     results = []
     for tp, pp in args.layouts:
         config = EngineConfig(
-            model=args.model, cache=CacheConfig(kv_cache_memory=args.kv_cache_memory // (tp * pp)),
+            model=args.model, max_model_len=max_model_len, cache=CacheConfig(kv_cache_memory=args.kv_cache_memory // (tp * pp)),
             scheduler=SchedulerConfig(policy=args.policy, max_num_seqs=args.max_num_seqs,
                                       max_num_batched_tokens=args.max_num_batched_tokens),
             parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp))
-        llm = LLM(config=config, max_model_len=max_model_len, show_progress=False)
+        llm = LLM(config=config, show_progress=False)
         lengths = sample_lengths(WorkloadSpec(args.num_requests, "uniform", tuple(args.prompt_len), "uniform",
                                               tuple(args.output_len), seed=0))
         result = run_layout(llm, lengths)

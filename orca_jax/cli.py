@@ -123,7 +123,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, help="tokens per forward pass")
     group.add_argument("--page-size", type=int, help="tokens per KV page")
     group.add_argument("--kv-cache-memory", type=byte_size, help="KV cache per device, e.g. 1GiB, 512MiB or bytes")
-    group.add_argument("--enable-prefix-caching", action="store_true", default=None)
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                       help="share the KV pages of common prompt prefixes (--no-enable-prefix-caching turns a "
+                            "config file's true off)")
+    group.add_argument("--max-model-len", type=int,
+                       help="tokens per sequence, prompt + output (default: the model's context length); a shorter "
+                            "one lets orca/static reserve less KV per request")
     group.add_argument("--attention-impl", choices=["auto", "xla", "pallas"])
     group.add_argument("--tensor-parallel-size", type=int, help="devices each layer is split over")
     group.add_argument("--pipeline-parallel-size", type=int, help="pipeline stages the layers are split into")
@@ -194,6 +199,7 @@ def engine_config(args: argparse.Namespace):
     return override(
         base,
         model=args.model,
+        max_model_len=args.max_model_len,
         attention_impl=args.attention_impl,
         cache=override(base.cache, page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
                        enable_prefix_caching=args.enable_prefix_caching),

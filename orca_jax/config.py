@@ -163,6 +163,7 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL  # preset name or checkpoint directory
+    max_model_len: int | None = None  # tokens per sequence (prompt + output); None: the model's context length
     attention_impl: AttentionImpl = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -170,6 +171,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_literal(self, "attention_impl", typing.get_args(AttentionImpl))
+        if self.max_model_len is not None:
+            _check_positive(self, "max_model_len")
         _require(
             not (self.cache.enable_prefix_caching and self.scheduler.policy == "static"),
             "enable_prefix_caching needs a policy that admits requests every iteration "

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from pathlib import Path
 from typing import Sequence, Union
@@ -48,8 +49,20 @@ class LLM:
         `multihost.initialize`); the followers run `orca_jax.parallel.multihost.follow`."""
         from orca_jax.engine.builder import BuildOptions, build_engine
 
+        if config is not None:
+            engine_args = dict(model=model, scheduling_policy=scheduling_policy, max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
+                               kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
+                               attention_impl=attention_impl, max_model_len=max_model_len,
+                               tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
+            defaults = inspect.signature(LLM.__init__).parameters
+            given = sorted(name for name, value in engine_args.items() if value != defaults[name].default)
+            if given:
+                raise ValueError(f"LLM(config=...) takes the engine settings from the config; {given} would be "
+                                 "ignored: set them in the EngineConfig instead")
         self.config = config or EngineConfig(
             model=str(model),
+            max_model_len=max_model_len,
             attention_impl=attention_impl,
             cache=CacheConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching),
@@ -58,8 +71,7 @@ class LLM:
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                     pipeline_parallel_size=pipeline_parallel_size),
         )
-        options = BuildOptions(max_model_len=max_model_len, token_buckets=token_buckets, seq_buckets=seq_buckets,
-                               show_progress=show_progress)
+        options = BuildOptions(token_buckets=token_buckets, seq_buckets=seq_buckets, show_progress=show_progress)
         self.engine = build_engine(self.config, options, distributed=distributed)
         self.runner = self.engine.runner
         self.tokenizer = self.engine.tokenizer

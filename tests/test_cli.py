@@ -49,3 +49,24 @@ def test_bench_runs_the_named_benchmark_script():
     assert "bench_serving.py" in result.stdout and "--max-concurrency" in result.stdout
     result = orca_jax("bench", "nonsense")
     assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def test_every_engine_setting_reaches_the_config_flags_over_the_file(tmp_path):
+    import argparse
+
+    from orca_jax.cli import add_engine_args, engine_config
+
+    config = tmp_path / "engine.toml"
+    config.write_text('max_model_len = 512\n[cache]\nenable_prefix_caching = true\nkv_cache_memory = 4096\n'
+                      '[scheduler]\npolicy = "paged"\n[parallel]\ntensor_parallel_size = 3\npipeline_parallel_size = 2\n')
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    from_file = engine_config(parser.parse_args(["--config", str(config)]))
+    assert (from_file.max_model_len, from_file.cache.enable_prefix_caching, from_file.scheduler.policy) == (512, True,
+                                                                                                         "paged")
+    assert (from_file.parallel.tensor_parallel_size, from_file.parallel.pipeline_parallel_size) == (3, 2)
+    flags = engine_config(parser.parse_args(["--config", str(config), "--no-enable-prefix-caching", "--max-model-len",
+                                             "1024", "--kv-cache-memory", "512MiB", "--pipeline-parallel-size", "1"]))
+    assert not flags.cache.enable_prefix_caching and flags.max_model_len == 1024
+    assert flags.cache.kv_cache_memory == 512 << 20 and flags.parallel.pipeline_parallel_size == 1
+    assert flags.parallel.tensor_parallel_size == 3  # what no flag overrides stays as the file says

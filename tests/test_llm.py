@@ -50,3 +50,24 @@ def test_chat_and_text_with_smollm2(smollm2, smollm2_reference):
     text_case = smollm2_reference["cases"][0]
     out = llm.generate(text_case["prompt"], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
     assert out.outputs[0].text == llm.get_tokenizer().decode(text_case["greedy_ids"][:5])
+
+
+def test_max_model_len_from_the_config_bounds_requests():
+    from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    config = EngineConfig(model=str(REPO_ROOT / "checkpoints" / "tiny"), max_model_len=32,
+                          cache=CacheConfig(page_size=4, kv_cache_memory=1 << 20),
+                          scheduler=SchedulerConfig(policy="orca", max_num_seqs=4, max_num_batched_tokens=16))
+    llm = LLM(config=config, token_buckets=[16], seq_buckets=[4], show_progress=False)
+    assert llm.engine.max_model_len == 32 and llm.runner.max_pages_per_seq == 8
+    with pytest.raises(RequestRejected, match="context length of 32 tokens"):
+        llm.generate(["3 5"], SamplingParams(max_tokens=40), use_tqdm=False)
+    out = llm.generate(["3 5"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert out.outputs[0].text.strip() == "7 9 11 13"
+
+
+def test_config_and_engine_keywords_together_are_refused():
+    from orca_jax.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"\['max_num_seqs', 'tensor_parallel_size'\] would be ignored"):
+        LLM(config=EngineConfig(), max_num_seqs=4, tensor_parallel_size=3)

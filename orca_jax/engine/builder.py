@@ -24,9 +24,8 @@ from orca_jax.parallel.multihost import DistributedConfig
 
 @dataclasses.dataclass(frozen=True)
 class BuildOptions:
-    """Settings of a build that are not engine policy: context length and compiled shapes."""
+    """Settings of a build that are not engine policy: compiled shapes and progress output."""
 
-    max_model_len: int | None = None  # default: the model's context length
     token_buckets: Sequence[int] | None = None  # default: powers of two up to max_num_batched_tokens
     seq_buckets: Sequence[int] | None = None  # default: powers of two up to max_num_seqs
     show_progress: bool = True
@@ -58,10 +57,10 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
         loaded = load_model(config.model)
     model_config = loaded.config
     check_parallel(model_config, config.parallel)  # before the devices are even counted
-    max_model_len = options.max_model_len or model_config.max_position
+    max_model_len = config.max_model_len or model_config.max_position
     if max_model_len > model_config.max_position:
-        raise ConfigError(f"max_model_len={max_model_len} exceeds the model's context length "
-                          f"{model_config.max_position}")
+        raise ConfigError(f"max_model_len={max_model_len} exceeds {model_config.name}'s context length of "
+                          f"{model_config.max_position} tokens; lower it")
     # Pages per device from kv_cache_memory; refuses a cache that cannot hold one max-length sequence.
     plan = plan_memory(model_config, config.parallel, page_size=config.cache.page_size, max_model_len=max_model_len,
                        kv_cache_memory=config.cache.kv_cache_memory)
