@@ -24,6 +24,7 @@ Architecture = Literal["llama", "gpt2"]
 DType = Literal["float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["static", "orca", "paged", "chunked"]
 AttentionImpl = Literal["auto", "pallas", "xla"]
+DTypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 class ConfigError(ValueError):
@@ -164,6 +165,7 @@ class ParallelConfig:
 class EngineConfig:
     model: str = DEFAULT_MODEL  # preset name or checkpoint directory
     max_model_len: int | None = None  # tokens per sequence (prompt + output); None: the model's context length
+    dtype: DTypeSetting = "auto"  # weights, activations and KV pages; auto: the checkpoint's (float32 on CPU)
     attention_impl: AttentionImpl = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -171,6 +173,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_literal(self, "attention_impl", typing.get_args(AttentionImpl))
+        _check_literal(self, "dtype", typing.get_args(DTypeSetting))
         if self.max_model_len is not None:
             _check_positive(self, "max_model_len")
         _require(

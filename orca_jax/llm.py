@@ -33,6 +33,7 @@ class LLM:
         enable_prefix_caching: bool = False,
         attention_impl: str = "auto",
         max_model_len: int | None = None,
+        dtype: str = "auto",
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         token_buckets: Sequence[int] | None = None,
@@ -53,7 +54,7 @@ class LLM:
             engine_args = dict(model=model, scheduling_policy=scheduling_policy, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
                                kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
-                               attention_impl=attention_impl, max_model_len=max_model_len,
+                               attention_impl=attention_impl, max_model_len=max_model_len, dtype=dtype,
                                tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
             defaults = inspect.signature(LLM.__init__).parameters
             given = sorted(name for name, value in engine_args.items() if value != defaults[name].default)
@@ -63,6 +64,7 @@ class LLM:
         self.config = config or EngineConfig(
             model=str(model),
             max_model_len=max_model_len,
+            dtype=dtype,
             attention_impl=attention_impl,
             cache=CacheConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching),

@@ -124,8 +124,10 @@ def save_checkpoint(
     return path
 
 
-def load_model(name_or_path: str | os.PathLike) -> LoadedModel:
-    """Loads config, weights and tokenizer of a checkpoint (by preset name or directory)."""
+def load_model(name_or_path: str | os.PathLike, dtype: str | None = None) -> LoadedModel:
+    """Loads config, weights and tokenizer of a checkpoint (by preset name or directory). `dtype`
+    ("float32", "bfloat16", ...) casts the weights and the model's compute to it; None keeps the
+    checkpoint's."""
     path = resolve_checkpoint_dir(name_or_path)
     if not is_complete(path):
         raise CheckpointError(missing_checkpoint_message(name_or_path, path))
@@ -133,6 +135,8 @@ def load_model(name_or_path: str | os.PathLike) -> LoadedModel:
         config = load_toml(ModelConfig, path / "model.toml")
     except ConfigError as e:
         raise CheckpointError(f"checkpoint {path} has an invalid model.toml: {e}") from None
+    if dtype is not None:
+        config = dataclasses.replace(config, dtype=dtype)
     model = abstract_decoder(config)
     graphdef, state = nnx.split(model)
     template = flatten_params(nnx.to_pure_dict(state))
@@ -143,7 +147,8 @@ def load_model(name_or_path: str | os.PathLike) -> LoadedModel:
         _check_shapes(stored_shapes, {k: tuple(v.shape) for k, v in template.items()}, path)
         restored = checkpointer.restore(path / "params", template)
     nested = _unflatten(nnx.to_pure_dict(state), restored)
-    nnx.replace_by_pure_dict(state, jax.tree.map(jax.numpy.asarray, nested))
+    dtypes = nnx.to_pure_dict(state)  # the abstract model's arrays: the dtype each parameter takes
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda v, t: jax.numpy.asarray(v, dtype=t.dtype), nested, dtypes))
     tokenizer = Tokenizer.load(path) if (path / "tokenizer.json").is_file() else None
     return LoadedModel(config=config, model=nnx.merge(graphdef, state), tokenizer=tokenizer, path=path)
 

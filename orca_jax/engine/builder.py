@@ -54,7 +54,10 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
     if loaded is None:
         if distributed is None:  # several processes pulling into one folder would race: pull first
             ensure_pulled(config.model, log=lambda message: print(message, file=sys.stderr))
-        loaded = load_model(config.model)
+        loaded = load_model(config.model, dtype=None if config.dtype == "auto" else config.dtype)
+    elif config.dtype not in ("auto", loaded.config.dtype):
+        raise ConfigError(f"dtype={config.dtype!r} but the given model is loaded in {loaded.config.dtype}; "
+                          "load it with load_model(..., dtype=...)")
     model_config = loaded.config
     check_parallel(model_config, config.parallel)  # before the devices are even counted
     max_model_len = config.max_model_len or model_config.max_position

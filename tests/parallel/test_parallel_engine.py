@@ -61,9 +61,9 @@ def test_parameters_and_kv_pages_are_split_over_tp(tiny_layouts):
     stage = tiny_layouts(2, 1).stages[0]
     k_pages = stage.kv_caches[0][0]  # [P, page, K, Dh]: 2 KV heads, one per device
     assert {shard.data.shape[2] for shard in k_pages.addressable_shards} == {1}
-    q_kernel = stage.params["layers"][0]["attn"]["q"]["kernel"].value  # [D, H, Dh]: 4 heads, 2 per device
+    q_kernel = stage.params["layers"][0]["attn"]["q"]["kernel"][...]  # [D, H, Dh]: 4 heads, 2 per device
     assert {shard.data.shape[1] for shard in q_kernel.addressable_shards} == {2}
-    embedding = stage.params["embed"]["embedding"].value  # [V, D]: vocabulary 66, 33 per device
+    embedding = stage.params["embed"]["embedding"][...]  # [V, D]: vocabulary 66, 33 per device
     assert {shard.data.shape[0] for shard in embedding.addressable_shards} == {33}
 
 
