@@ -61,20 +61,30 @@ def read_hf_folder(folder: str | Path, name: str) -> tuple[ModelConfig, dict[str
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise HFImportError(f"{folder} has no config.json; expected a Hugging Face model folder")
-    hf_config = json.loads(config_file.read_text())
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise HFImportError(f"{config_file} is not valid JSON: {e}") from None
     model_type = hf_config.get("model_type")
-    if model_type == "gpt2":
-        config, names = _gpt2_config(hf_config, name), GPT2_NAMES
-    elif model_type == "llama":
-        config, names = _llama_config(hf_config, name), LLAMA_NAMES
-    else:
-        raise HFImportError(f"{config_file}: model_type {model_type!r} is not supported; supported: llama, gpt2")
+    try:
+        if model_type == "gpt2":
+            config, names = _gpt2_config(hf_config, name), GPT2_NAMES
+        elif model_type == "llama":
+            config, names = _llama_config(hf_config, name), LLAMA_NAMES
+        else:
+            raise HFImportError(f"{config_file}: model_type {model_type!r} is not supported; supported: llama, gpt2")
+    except KeyError as e:
+        raise HFImportError(f"{config_file} lacks the key {e.args[0]!r} a {model_type} config needs") from None
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise HFImportError(f"{folder} has no *.safetensors files (PyTorch .bin files are not supported)")
     tensors = {}
     for file in files:
-        with safe_open(file, framework="flax") as f:
+        try:
+            reader = safe_open(file, framework="flax")
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError, not an OSError
+            raise HFImportError(f"cannot read {file} as safetensors: {e}") from None
+        with reader as f:
             for hf_name in f.keys():
                 if IGNORED.match(hf_name):
                     continue

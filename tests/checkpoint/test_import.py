@@ -169,5 +169,8 @@ def test_unsupported_sources_are_named(tmp_path):
     write_hf_folder(tmp_path / "hf", {"model_type": "mamba"}, {"x": np.zeros(2)})
     with pytest.raises(ValueError, match="model_type 'mamba' is not supported"):
         convert(tmp_path / "hf", "m", tmp_path / "out")
-    with pytest.raises(Exception, match="neither a .gguf file nor"):
+    with pytest.raises(Exception, match="does not exist"):
         convert(tmp_path / "missing.bin", "m", tmp_path / "out")
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    with pytest.raises(Exception, match="neither a .gguf file nor"):
+        convert(tmp_path / "weights.bin", "m", tmp_path / "out")
