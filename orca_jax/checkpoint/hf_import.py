@@ -103,9 +103,30 @@ def _rename(hf_name: str, names: dict[str, str], file: Path) -> str:
     raise HFImportError(f"{file}: tensor {hf_name!r} is not part of the supported layout")
 
 
+def _rope_scaling(c: dict) -> dict:
+    """ModelConfig's rope fields from HF's `rope_scaling` (older configs name its kind `type`)."""
+    scaling = c.get("rope_scaling")
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return {}
+    if kind != "llama3":
+        raise HFImportError(f"rope_scaling with rope_type {kind!r} is not supported; the supported one is "
+                            "'llama3' (Llama 3.x), besides plain RoPE")
+    try:
+        return {
+            "rope_scaling": "llama3",
+            "rope_scaling_factor": float(scaling["factor"]),
+            "rope_low_freq_factor": float(scaling["low_freq_factor"]),
+            "rope_high_freq_factor": float(scaling["high_freq_factor"]),
+            # HF falls back to max_position_embeddings when the key is absent.
+            "rope_original_max_position": int(scaling.get("original_max_position_embeddings",
+                                                          c["max_position_embeddings"])),
+        }
+    except KeyError as e:
+        raise HFImportError(f"rope_scaling 'llama3' lacks {e.args[0]!r}: {scaling}") from None
+
+
 def _llama_config(c: dict, name: str) -> ModelConfig:
-    if c.get("rope_scaling"):
-        raise HFImportError(f"rope_scaling={c['rope_scaling']} is not supported yet; only plain RoPE is")
     return ModelConfig(
         name=name,
         architecture="llama",
@@ -119,6 +140,7 @@ def _llama_config(c: dict, name: str) -> ModelConfig:
         head_dim=c.get("head_dim") or 0,
         norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         rope_theta=float(c.get("rope_theta", 10000.0)),
+        **_rope_scaling(c),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         bos_token_id=_single_id(c.get("bos_token_id")),
         eos_token_id=_single_id(c.get("eos_token_id")),
