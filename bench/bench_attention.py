@@ -5,7 +5,7 @@
 
 For each batch kind (decode-heavy, prefill-heavy, mixed) it checks every implementation against
 `ragged_paged_attention_reference` and times it; prints a table and saves
-bench/results/attention_<backend>.json. On GPU the kernel is compiled with Triton; elsewhere it runs
+bench/results/attention_<backend>_new.json (or --out; the committed figures are attention_<backend>.json). On GPU the kernel is compiled with Triton; elsewhere it runs
 in interpret mode (a correctness path, not a fast one).
 """
 
@@ -56,11 +56,13 @@ def timed(fn, args, repeat: int) -> float:
 
 
 def main() -> None:
+    backend = jax.default_backend()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: 13b on GPU, smollm2 elsewhere")
     parser.add_argument("--repeat", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=RESULTS / f"attention_{backend}_new.json",
+                        help="results JSON (default: a new file, not the committed attention_<backend>.json)")
     args = parser.parse_args()
-    backend = jax.default_backend()
     shape = args.shape or ("13b" if backend == "gpu" else "smollm2")
     num_heads, num_kv_heads, head_dim, dtype = SHAPES[shape]
     repeat = args.repeat or (20 if backend == "gpu" else 3)
@@ -85,7 +87,7 @@ def main() -> None:
                          "correct": error <= tolerance * max(1.0, float(np.abs(want).max()))})
             print(f"{kind:8s} {name:17s} {1000 * seconds:9.2f} ms   max |error| {error:.2e}  "
                   f"{'ok' if rows[-1]['correct'] else 'WRONG'}", flush=True)
-    out = RESULTS / f"attention_{backend}.json"
+    out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"backend": backend, "jax": jax.__version__, "shape": shape,
                                "dtype": str(jnp.dtype(dtype)), "rows": rows}, indent=2) + "\n")

@@ -21,8 +21,9 @@ produces each token; end-to-end latency when the request's result is released --
 its whole batch completes, as in the FasterTransformer baseline. Normalised latency is end-to-end
 latency over output tokens.
 
-Saves the table as bench/results/scheduling.json, and beside it the step-time curves
-(scheduling_step_time.png) and per-workload throughput and latency (scheduling_policies.png).
+Saves the table as bench/results/scheduling_new.json (or --out; the committed figures are scheduling.json),
+and beside it the step-time curves (<name>_step_time.png) and per-workload throughput and latency
+(<name>_policies.png).
 """
 
 from __future__ import annotations
@@ -398,7 +399,7 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 384],
                         help="cached tokens per sequence for the decode step-time curves")
-    parser.add_argument("--out", type=Path, default=RESULTS / "scheduling.json",
+    parser.add_argument("--out", type=Path, default=RESULTS / "scheduling_new.json",
                         help="results JSON; the plots go beside it as <name>_step_time.png, <name>_policies.png")
     parser.add_argument("--save-workloads", type=Path, default=None, help="folder to save each workload as JSONL")
     return parser.parse_args(argv)

@@ -11,7 +11,8 @@ token, inter-token latency, end-to-end and normalised latency (seconds per outpu
 throughput and percentiles. Per policy: the capacity under a latency target, the highest rate
 whose p99 normalised latency stays under it (Orca's headline measure).
 
-Saves bench/results/serving.json and serving.png (normalised latency against throughput).
+Saves bench/results/serving_new.json and serving_new.png (normalised latency against throughput), or
+where --out says; the committed figures are serving.json and serving.png.
 """
 
 from __future__ import annotations
@@ -221,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--send-text", action="store_true", help="send prompts as text, not token ids")
-    parser.add_argument("--out", type=Path, default=RESULTS / "serving.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "serving_new.json",
+                        help="results JSON, the plot beside it (default: a new file, not the committed serving.json)")
     args = parser.parse_args(argv)
 
     from orca_jax.checkpoint.convert import ensure_pulled

@@ -2,7 +2,7 @@
 
     python bench/bench_throughput.py [--policies chunked orca] [--num-requests 64]
 
-Prints one line per policy and saves bench/results/throughput.json: generated tokens/s, wall time,
+Prints one line per policy and saves bench/results/throughput_new.json (or --out): generated tokens/s, wall time,
 steps, padding waste, host time per step against the step, preemptions; plus the decode step's
 FLOP/s at 64 running sequences against a plain f32 matmul measured in the same run.
 """
@@ -106,7 +106,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--out", type=Path, default=RESULTS / "throughput.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "throughput_new.json",
+                        help="results JSON (default: a new file, not the committed throughput.json)")
     args = parser.parse_args()
 
     llm = LLM(args.model, max_num_seqs=max(args.max_num_seqs, 64), max_num_batched_tokens=args.max_num_batched_tokens)

@@ -67,16 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         except (CheckpointError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    if args.command == "pull":
-        from orca_jax.checkpoint.convert import pull as pull_model
-
-        pull_model(args.name, force=args.force)
-    elif args.command == "convert":
-        from orca_jax.checkpoint.convert import convert as convert_model
-
-        dest = convert_model(args.source, args.name, args.out)
-        print(f"converted {args.source} -> {dest}")
-    elif args.command == "generate":
+    if args.command in ("pull", "convert"):
+        return _pull_or_convert(args)
+    if args.command == "generate":
         from orca_jax.checkpoint.store import CheckpointError
 
         try:
@@ -84,6 +77,24 @@ def main(argv: list[str] | None = None) -> int:
         except (CheckpointError, ValueError) as e:  # ConfigError and RequestRejected are ValueErrors
             print(f"error: {e}", file=sys.stderr)
             return 2
+    return 0
+
+
+def _pull_or_convert(args: argparse.Namespace) -> int:
+    """Import failures a user can cause (an unknown preset, no network, an unreadable or unsupported
+    file) are one `error:` line and exit status 2."""
+    from orca_jax.checkpoint.convert import convert, pull
+    from orca_jax.checkpoint.store import CheckpointError
+
+    try:
+        if args.command == "pull":
+            pull(args.name, force=args.force)
+        else:
+            dest = convert(args.source, args.name, args.out)
+            print(f"converted {args.source} -> {dest}")
+    except (CheckpointError, ValueError, OSError) as e:  # the importers' errors are ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -71,6 +71,15 @@ class ModelConfig:
     head_dim: int = 0  # 0 means d_model // n_heads
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0  # RoPE base frequency (llama only)
+    # RoPE frequency scaling of Llama 3.x (HF rope_scaling with rope_type "llama3"); None: plain RoPE.
+    # Frequencies whose wavelength (tokens per turn) exceeds rope_original_max_position /
+    # rope_low_freq_factor are divided by rope_scaling_factor; those below rope_original_max_position /
+    # rope_high_freq_factor are kept; the ones between are interpolated smoothly.
+    rope_scaling: str | None = None  # "llama3" or None
+    rope_scaling_factor: float | None = None  # dimensionless, e.g. 8.0 (Llama 3.1) or 32.0 (Llama 3.2)
+    rope_low_freq_factor: float | None = None  # dimensionless, e.g. 1.0
+    rope_high_freq_factor: float | None = None  # dimensionless, e.g. 4.0; > rope_low_freq_factor
+    rope_original_max_position: int | None = None  # tokens: the context length of pre-training, e.g. 8192
     tie_word_embeddings: bool = True  # LM head shares the token embedding matrix
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -100,6 +109,7 @@ class ModelConfig:
             self.architecture != "llama" or self.head_dim % 2 == 0,
             f"ModelConfig {self.name!r}: RoPE needs an even head_dim, got {self.head_dim}",
         )
+        self._check_rope_scaling()
         _require(self.norm_eps > 0, f"ModelConfig {self.name!r}: norm_eps must be > 0, got {self.norm_eps}")
         for token_name in ("bos_token_id", "eos_token_id"):
             token = getattr(self, token_name)
@@ -107,6 +117,25 @@ class ModelConfig:
                 token is None or 0 <= token < self.vocab_size,
                 f"ModelConfig {self.name!r}: {token_name}={token} is outside the vocabulary [0, {self.vocab_size})",
             )
+
+    def _check_rope_scaling(self) -> None:
+        scaling_fields = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                          "rope_original_max_position")
+        if self.rope_scaling is None:
+            given = [f for f in scaling_fields if getattr(self, f) is not None]
+            _require(not given, f"ModelConfig {self.name!r}: {given} are set but rope_scaling is not; "
+                                'set rope_scaling = "llama3" or remove them')
+            return
+        _require(self.rope_scaling == "llama3",
+                 f"ModelConfig {self.name!r}: rope_scaling={self.rope_scaling!r}; the supported one is 'llama3'")
+        _require(self.architecture == "llama", f"ModelConfig {self.name!r}: rope_scaling needs architecture 'llama'")
+        missing = [f for f in scaling_fields if getattr(self, f) is None]
+        _require(not missing, f"ModelConfig {self.name!r}: rope_scaling 'llama3' needs {missing}")
+        _require(self.rope_scaling_factor > 0 and self.rope_original_max_position > 0,
+                 f"ModelConfig {self.name!r}: rope_scaling_factor and rope_original_max_position must be > 0")
+        _require(0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
+                 f"ModelConfig {self.name!r}: need 0 < rope_low_freq_factor ({self.rope_low_freq_factor}) < "
+                 f"rope_high_freq_factor ({self.rope_high_freq_factor})")
 
     @property
     def queries_per_kv_head(self) -> int:

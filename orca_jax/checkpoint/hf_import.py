@@ -61,20 +61,30 @@ def read_hf_folder(folder: str | Path, name: str) -> tuple[ModelConfig, dict[str
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise HFImportError(f"{folder} has no config.json; expected a Hugging Face model folder")
-    hf_config = json.loads(config_file.read_text())
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise HFImportError(f"{config_file} is not valid JSON: {e}") from None
     model_type = hf_config.get("model_type")
-    if model_type == "gpt2":
-        config, names = _gpt2_config(hf_config, name), GPT2_NAMES
-    elif model_type == "llama":
-        config, names = _llama_config(hf_config, name), LLAMA_NAMES
-    else:
-        raise HFImportError(f"{config_file}: model_type {model_type!r} is not supported; supported: llama, gpt2")
+    try:
+        if model_type == "gpt2":
+            config, names = _gpt2_config(hf_config, name), GPT2_NAMES
+        elif model_type == "llama":
+            config, names = _llama_config(hf_config, name), LLAMA_NAMES
+        else:
+            raise HFImportError(f"{config_file}: model_type {model_type!r} is not supported; supported: llama, gpt2")
+    except KeyError as e:
+        raise HFImportError(f"{config_file} lacks the key {e.args[0]!r} a {model_type} config needs") from None
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise HFImportError(f"{folder} has no *.safetensors files (PyTorch .bin files are not supported)")
     tensors = {}
     for file in files:
-        with safe_open(file, framework="flax") as f:
+        try:
+            reader = safe_open(file, framework="flax")
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError, not an OSError
+            raise HFImportError(f"cannot read {file} as safetensors: {e}") from None
+        with reader as f:
             for hf_name in f.keys():
                 if IGNORED.match(hf_name):
                     continue
@@ -93,9 +103,30 @@ def _rename(hf_name: str, names: dict[str, str], file: Path) -> str:
     raise HFImportError(f"{file}: tensor {hf_name!r} is not part of the supported layout")
 
 
+def _rope_scaling(c: dict) -> dict:
+    """ModelConfig's rope fields from HF's `rope_scaling` (older configs name its kind `type`)."""
+    scaling = c.get("rope_scaling")
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return {}
+    if kind != "llama3":
+        raise HFImportError(f"rope_scaling with rope_type {kind!r} is not supported; the supported one is "
+                            "'llama3' (Llama 3.x), besides plain RoPE")
+    try:
+        return {
+            "rope_scaling": "llama3",
+            "rope_scaling_factor": float(scaling["factor"]),
+            "rope_low_freq_factor": float(scaling["low_freq_factor"]),
+            "rope_high_freq_factor": float(scaling["high_freq_factor"]),
+            # HF falls back to max_position_embeddings when the key is absent.
+            "rope_original_max_position": int(scaling.get("original_max_position_embeddings",
+                                                          c["max_position_embeddings"])),
+        }
+    except KeyError as e:
+        raise HFImportError(f"rope_scaling 'llama3' lacks {e.args[0]!r}: {scaling}") from None
+
+
 def _llama_config(c: dict, name: str) -> ModelConfig:
-    if c.get("rope_scaling"):
-        raise HFImportError(f"rope_scaling={c['rope_scaling']} is not supported yet; only plain RoPE is")
     return ModelConfig(
         name=name,
         architecture="llama",
@@ -109,6 +140,7 @@ def _llama_config(c: dict, name: str) -> ModelConfig:
         head_dim=c.get("head_dim") or 0,
         norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         rope_theta=float(c.get("rope_theta", 10000.0)),
+        **_rope_scaling(c),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         bos_token_id=_single_id(c.get("bos_token_id")),
         eos_token_id=_single_id(c.get("eos_token_id")),

@@ -21,7 +21,7 @@ from jaxtyping import Array, Float, Int
 
 from orca_jax.model.layers import Dense
 from orca_jax.model.paged_attention import MASK_VALUE, paged_attention
-from orca_jax.model.rotary import apply_rope
+from orca_jax.model.rotary import Llama3Scaling, apply_rope
 
 KVCache = tuple[jax.Array, jax.Array]  # one layer's (k_pages, v_pages), each [P, page, K, Dh]
 # (q [T,H,Dh], k [T,K,Dh], v [T,K,Dh], kv, meta, *, sm_scale) -> (out [T,H,Dh], kv): see paged_attention.
@@ -75,6 +75,7 @@ class Attention(nnx.Module):
         *,
         use_bias: bool,
         rope_theta: float | None,
+        rope_scaling: Llama3Scaling | None = None,
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
     ):
@@ -88,6 +89,7 @@ class Attention(nnx.Module):
         self.o = Dense((num_heads, head_dim), (d_model,), ("q_heads", "head_dim"), ("embed",),
                        use_bias=use_bias, dtype=dtype, rngs=rngs)
         self.rope_theta = rope_theta  # None: positions come from a learned embedding instead
+        self.rope_scaling = rope_scaling
         self.sm_scale = 1.0 / math.sqrt(head_dim)
 
     def __call__(
@@ -96,8 +98,8 @@ class Attention(nnx.Module):
     ) -> tuple[Float[Array, "T D"], KVCache | None]:
         q, k, v = self.q(x), self.k(x), self.v(x)  # [T, H, Dh], [T, K, Dh], [T, K, Dh]
         if self.rope_theta is not None:
-            q = apply_rope(q, meta.positions, self.rope_theta)
-            k = apply_rope(k, meta.positions, self.rope_theta)
+            q = apply_rope(q, meta.positions, self.rope_theta, self.rope_scaling)
+            k = apply_rope(k, meta.positions, self.rope_theta, self.rope_scaling)
         if kv is None:
             return self.o(attend(q, k, v, meta, self.sm_scale)), None
         out, kv = attention(q, k, v, kv, meta, sm_scale=self.sm_scale)

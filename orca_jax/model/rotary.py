@@ -1,21 +1,57 @@
 """Rotary position embedding (RoPE), half-split layout (as HF transformers' Llama).
 
 Each head vector is split into halves (x1, x2); pair i = (x1[i], x2[i]) is rotated by the angle
-position * theta^(-2i / Dh). Checkpoints in llama.cpp's interleaved layout are converted to this
-one at import time (see checkpoint/gguf_import.py).
+position * inv_freq[i], inv_freq[i] = theta^(-2i / Dh). Checkpoints in llama.cpp's interleaved layout
+are converted to this one at import time (see checkpoint/gguf_import.py).
+
+Llama 3.x stretches the low frequencies for a longer context (`Llama3Scaling`): a pair whose
+wavelength 2 pi / inv_freq is longer than original_max_position / low_freq_factor tokens turns
+`factor` times slower; one shorter than original_max_position / high_freq_factor is kept; in between
+the two are blended linearly in original_max_position / wavelength.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from orca_jax.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3Scaling:
+    factor: float  # dimensionless
+    low_freq_factor: float  # dimensionless
+    high_freq_factor: float  # dimensionless
+    original_max_position: int  # tokens
+
+    @staticmethod
+    def of(config: ModelConfig) -> Llama3Scaling | None:
+        if config.rope_scaling is None:
+            return None
+        return Llama3Scaling(config.rope_scaling_factor, config.rope_low_freq_factor, config.rope_high_freq_factor,
+                             config.rope_original_max_position)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3Scaling | None = None) -> Float[Array, " Dh/2"]:
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # [Dh/2]
+    if scaling is None:
+        return inv_freq
+    wavelength = 2 * math.pi / inv_freq  # tokens per turn
+    # 0 at the long-wavelength edge (fully scaled), 1 at the short one (kept).
+    ramp = (scaling.original_max_position / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blend = jnp.clip(ramp, 0.0, 1.0)
+    return (1 - blend) * inv_freq / scaling.factor + blend * inv_freq
+
 
 def apply_rope(
-    x: Float[Array, "T N Dh"], positions: Int[Array, " T"], theta: float
+    x: Float[Array, "T N Dh"], positions: Int[Array, " T"], theta: float, scaling: Llama3Scaling | None = None
 ) -> Float[Array, "T N Dh"]:
-    head_dim = x.shape[-1]
-    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # [Dh/2]
+    inv_freq = rope_inv_freq(x.shape[-1], theta, scaling)  # [Dh/2]
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, Dh/2]
     cos = jnp.cos(angles)[:, None, :]  # [T, 1, Dh/2]
     sin = jnp.sin(angles)[:, None, :]

@@ -104,9 +104,7 @@ def write_hf_folder(folder, config_json, tensors):
     save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}, folder / "model.safetensors")
 
 
-def test_hf_llama_import(tmp_path):
-    config = load_model_preset("tiny")
-    model = init_decoder(config, seed=5)
+def write_hf_llama_folder(folder, config, model, **extra_config):
     gguf_to_hf = {
         "token_embd": "model.embed_tokens", "output_norm": "model.norm", "attn_norm": "input_layernorm",
         "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -120,18 +118,68 @@ def test_hf_llama_import(tmp_path):
             tensors[f"model.layers.{parts[1]}.{gguf_to_hf[parts[2]]}.weight"] = array
         else:
             tensors[f"{gguf_to_hf[parts[0]]}.weight"] = array
-    write_hf_folder(tmp_path / "hf", {
+    write_hf_folder(folder, {
         "model_type": "llama", "vocab_size": config.vocab_size, "hidden_size": config.d_model,
         "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
         "num_key_value_heads": config.n_kv_heads, "intermediate_size": config.d_ff,
         "max_position_embeddings": config.max_position, "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta, "tie_word_embeddings": True,
         "bos_token_id": config.bos_token_id, "eos_token_id": [config.eos_token_id],
-    }, tensors)
+    } | extra_config, tensors)
+
+
+def test_hf_llama_import(tmp_path):
+    config = load_model_preset("tiny")
+    model = init_decoder(config, seed=5)
+    write_hf_llama_folder(tmp_path / "hf", config, model)
     loaded = load_model(convert(tmp_path / "hf", "hf-llama", tmp_path / "out"))
     assert loaded.config == dataclasses.replace(config, name="hf-llama")
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     np.testing.assert_allclose(logits(loaded.model, ids), logits(model, ids), atol=1e-5)
+
+
+LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32, "rope_type": "llama3"}
+
+
+def logits_at(model, ids, first_position):
+    ids = jnp.asarray(ids)
+    positions = first_position + jnp.arange(len(ids))
+    return np.asarray(model(ids, positions, jnp.zeros(len(ids), jnp.int32)))
+
+
+def test_hf_llama3_rope_scaling_reaches_the_model(tmp_path):
+    config = load_model_preset("tiny")  # head_dim 16, theta 1e4: wavelengths 6 to 4e4 tokens
+    model = init_decoder(config, seed=7)
+    write_hf_llama_folder(tmp_path / "plain", config, model)
+    # Older exports name the kind `type`; both spellings mean the same.
+    write_hf_llama_folder(tmp_path / "scaled", config, model, rope_scaling=LLAMA3_ROPE)
+    old_spelling = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_type"} | {"type": "llama3"}
+    write_hf_llama_folder(tmp_path / "scaled-type", config, model, rope_scaling=old_spelling)
+    plain = load_model(convert(tmp_path / "plain", "plain", tmp_path / "out-plain"))
+    scaled = load_model(convert(tmp_path / "scaled", "scaled", tmp_path / "out-scaled"))
+    scaled_type = load_model(convert(tmp_path / "scaled-type", "scaled", tmp_path / "out-scaled-type"))
+    assert scaled.config == dataclasses.replace(
+        config, name="scaled", rope_scaling="llama3", rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0, rope_original_max_position=32)
+    assert scaled_type.config == scaled.config
+    assert plain.config.rope_scaling is None
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    # The weights are the same; only the rotary frequencies differ, which shows at long positions.
+    far = logits_at(scaled.model, ids, 1000)
+    assert np.abs(far - logits_at(plain.model, ids, 1000)).max() > 1e-2
+    np.testing.assert_allclose(far, logits_at(scaled_type.model, ids, 1000), atol=1e-6)
+    # And it is the model built from the same config directly (the scaling is in model.toml).
+    direct = init_decoder(dataclasses.replace(scaled.config, name="tiny"), seed=7)
+    np.testing.assert_allclose(far, logits_at(direct, ids, 1000), atol=1e-5)
+
+
+@pytest.mark.parametrize("rope_scaling", [{"rope_type": "linear", "factor": 2.0}, {"type": "yarn", "factor": 4.0}])
+def test_other_rope_scaling_kinds_are_refused(tmp_path, rope_scaling):
+    config = load_model_preset("tiny")
+    write_hf_llama_folder(tmp_path / "hf", config, init_decoder(config, seed=1), rope_scaling=rope_scaling)
+    with pytest.raises(ValueError, match="is not supported; the supported one is 'llama3'"):
+        convert(tmp_path / "hf", "m", tmp_path / "out")
 
 
 def test_hf_gpt2_import(tmp_path):
@@ -169,5 +217,8 @@ def test_unsupported_sources_are_named(tmp_path):
     write_hf_folder(tmp_path / "hf", {"model_type": "mamba"}, {"x": np.zeros(2)})
     with pytest.raises(ValueError, match="model_type 'mamba' is not supported"):
         convert(tmp_path / "hf", "m", tmp_path / "out")
-    with pytest.raises(Exception, match="neither a .gguf file nor"):
+    with pytest.raises(Exception, match="does not exist"):
         convert(tmp_path / "missing.bin", "m", tmp_path / "out")
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    with pytest.raises(Exception, match="neither a .gguf file nor"):
+        convert(tmp_path / "weights.bin", "m", tmp_path / "out")

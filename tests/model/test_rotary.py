@@ -1,9 +1,12 @@
 """The GGUF Q/K row permutation and our half-split RoPE agree with llama.cpp's interleaved RoPE."""
 
+import math
+
 import numpy as np
+import pytest
 
 from orca_jax.checkpoint.gguf_import import unpermute_llama_qk
-from orca_jax.model.rotary import apply_rope
+from orca_jax.model.rotary import Llama3Scaling, apply_rope, rope_inv_freq
 
 
 def interleaved_rope(x, positions, theta):
@@ -41,3 +44,45 @@ def test_half_split_rope_on_hf_rows_equals_interleaved_rope_on_gguf_rows():
     # Same rotation, different order of the elements inside a head: compare after undoing it.
     theirs_unpermuted = unpermute_llama_qk(theirs.reshape(t, heads * dh).T, heads).T.reshape(t, heads, dh)
     np.testing.assert_allclose(ours, theirs_unpermuted, atol=1e-5)
+
+
+def llama3_inv_freq_reference(head_dim, theta, factor, low_freq_factor, high_freq_factor, old_context_len):
+    """HF transformers' `_compute_llama3_parameters`, branch by branch, in float64 numpy."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(medium, smoothed, scaled), wavelen, (high_freq_wavelen, low_freq_wavelen)
+
+
+@pytest.mark.parametrize("head_dim, theta, factor, low, high, original", [
+    (128, 500000.0, 8.0, 1.0, 4.0, 8192),   # Llama 3.1 8B
+    (64, 500000.0, 32.0, 1.0, 4.0, 8192),   # Llama 3.2 1B
+    (16, 10000.0, 8.0, 1.0, 4.0, 64),       # the tiny model of the import test
+])
+def test_llama3_frequencies_match_the_reference(head_dim, theta, factor, low, high, original):
+    want, wavelen, (short, long) = llama3_inv_freq_reference(head_dim, theta, factor, low, high, original)
+    # Every regime is exercised: kept, blended and fully scaled frequencies.
+    assert (wavelen < short).any() and ((wavelen >= short) & (wavelen <= long)).any() and (wavelen > long).any()
+    got = np.asarray(rope_inv_freq(head_dim, theta, Llama3Scaling(factor, low, high, original)))
+    np.testing.assert_allclose(got, want, rtol=2e-6)
+    np.testing.assert_allclose(np.asarray(rope_inv_freq(head_dim, theta)), 1.0 / theta ** (np.arange(0, head_dim, 2)
+                                                                                          / head_dim), rtol=2e-6)
+
+
+def test_scaled_rope_rotates_by_the_reference_frequencies():
+    rng = np.random.default_rng(2)
+    t, heads, dh = 5, 2, 16
+    x = rng.normal(size=(t, heads, dh)).astype(np.float32)
+    positions = np.array([0, 1, 100, 1000, 5000])
+    inv_freq, _, _ = llama3_inv_freq_reference(dh, 10000.0, 8.0, 1.0, 4.0, 64)
+    angles = positions[:, None] * inv_freq[None, :]
+    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+    x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
+    want = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    got = np.asarray(apply_rope(x, positions, 10000.0, Llama3Scaling(8.0, 1.0, 4.0, 64)))
+    np.testing.assert_allclose(got, want, atol=2e-3)  # float32 angles at position 5000
