@@ -34,16 +34,21 @@ def main(argv: list[str] | None = None) -> int:
     add_sampling_args(generate)
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL",
+                       help="preset name or checkpoint directory, as `vllm serve MODEL` takes it (same as --model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer <key>' on /v1/* (default: $ORCA_JAX_API_KEY, else none)")
-    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model as given)")
     serve.add_argument("--max-queued-requests", type=int, default=256,
                        help="sequences that may wait beyond the running batch; more get a fast 503")
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
+    serve.add_argument("--enable-request-log", action="store_true",
+                       help="log one line per finished request: id, endpoint, status, token counts, latency "
+                            "(never the prompt or the output)")
     add_engine_args(serve)
 
     plan = commands.add_parser("plan", help="check that a model fits a tp x pp layout; per-device memory and KV pages")
@@ -63,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         from orca_jax.checkpoint.store import CheckpointError
 
         try:
+            _merge_model_tag(args)
             return _serve(args)
         except (CheckpointError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
@@ -284,6 +290,16 @@ def _print_outputs(args: argparse.Namespace, prompts: list[str], params, llm) ->
     return 0
 
 
+def _merge_model_tag(args: argparse.Namespace) -> None:
+    """`serve MODEL` and `serve --model MODEL` are the same; both, naming different models, is an error."""
+    if args.model_tag is None:
+        return
+    if args.model is not None and args.model != args.model_tag:
+        raise ValueError(f"the model is given twice, as '{args.model_tag}' and as --model '{args.model}'; "
+                         "give one of them")
+    args.model = args.model_tag
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
@@ -313,7 +329,8 @@ def _serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model_name=args.served_model_name or config.model,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes)
+        max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes,
+        enable_request_log=args.enable_request_log)
 
     built = []  # the LLM, once the server's warm-up thread has made it
 

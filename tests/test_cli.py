@@ -42,6 +42,17 @@ def test_missing_model_explains_the_fix(tmp_path):
         assert "no checkpoint" in result.stderr and "orca-jax convert" in result.stderr
 
 
+def test_serve_takes_the_model_positionally_as_vllm_does(tmp_path):
+    nothing = str(tmp_path / "nothing")
+    result = orca_jax("serve", nothing, "--port", "0")
+    assert result.returncode == 2 and "no checkpoint" in result.stderr and nothing in result.stderr, result.stderr
+    result = orca_jax("serve", nothing, "--model", nothing, "--port", "0")  # the same model twice is fine
+    assert result.returncode == 2 and "no checkpoint" in result.stderr, result.stderr
+    result = orca_jax("serve", nothing, "--model", "smollm2-135m-instruct", "--port", "0")
+    assert result.returncode == 2, result.stderr
+    assert f"'{nothing}'" in result.stderr and "--model 'smollm2-135m-instruct'" in result.stderr
+
+
 def test_engine_settings_from_a_config_file_and_flags_over_it(tmp_path):
     config = tmp_path / "engine.toml"
     config.write_text(f'model = "{REPO_ROOT / "checkpoints" / "tiny"}"\n[scheduler]\npolicy = "orca"\n'

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hmac
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,6 +26,7 @@ from orca_jax.server.metrics import ServerMetrics
 from orca_jax.server.protocol import APIError, invalid
 
 log = logging.getLogger(__name__)
+request_log = logging.getLogger("orca_jax.server.requests")
 
 API_KEY_ENV = "ORCA_JAX_API_KEY"
 
@@ -35,6 +38,7 @@ class ServerSettings:
     max_queued_requests: int = 256  # sequences allowed to wait beyond the running batch
     max_request_bytes: int = 1 << 20
     retry_after_s: int = 1  # what a 503 tells the client to wait
+    enable_request_log: bool = False  # a log line per finished request (never its text)
 
 
 class ServerState:
@@ -100,10 +104,53 @@ class ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
+# Paths that need the API key when one is set: the OpenAI API and the tokenizer endpoints.
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+UNLOGGED_PATHS = {"/health", "/metrics"}  # probes and scrapes would drown the request log
+CLIENT_CLOSED = 499  # nginx's status for a request whose client left before the answer
+
+
+@dataclass
+class RequestRecord:
+    """What the request log says about a request; its handler fills it in."""
+    request_id: str = "-"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+# The record of the request the current task serves (the middleware and its handler share the task).
+_RECORD: contextvars.ContextVar[RequestRecord] = contextvars.ContextVar("orca_jax_request_record")
+
+
+def request_record() -> RequestRecord:
+    return _RECORD.get()
 
 
 def error_response(error: APIError) -> web.Response:
     return web.json_response(error.body(), status=error.status, headers=error.headers)
+
+
+@web.middleware
+async def request_log_middleware(request: web.Request, handler):
+    """Gives each request its RequestRecord and, with --enable-request-log, logs one line when it ends:
+    id, endpoint, status, token counts and latency. Outermost, so it sees the status the client gets."""
+    record = RequestRecord()
+    _RECORD.set(record)
+    if not request.app[STATE].settings.enable_request_log or request.path in UNLOGGED_PATHS:
+        return await handler(request)
+    start = time.monotonic()
+    status = CLIENT_CLOSED
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as error:  # a redirect; errors_middleware turned the failures into responses
+        status = error.status
+        raise
+    finally:
+        request_log.info("%s %s %s %d prompt_tokens=%d completion_tokens=%d latency=%.3fs", record.request_id,
+                         request.method, request.path, status, record.prompt_tokens, record.completion_tokens,
+                         time.monotonic() - start)
 
 
 @web.middleware
@@ -134,10 +181,10 @@ async def errors_middleware(request: web.Request, handler):
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
-    """With an API key set, /v1/* needs `Authorization: Bearer <key>`; /health and /metrics stay open
-    for load balancers and Prometheus."""
+    """With an API key set, /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>`;
+    /health, /metrics and /version stay open for load balancers and Prometheus."""
     key = request.app[STATE].settings.api_key
-    if key and request.path.startswith("/v1/"):
+    if key and request.path.startswith(PROTECTED_PREFIXES):
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
@@ -172,7 +219,7 @@ async def engine_lifetime(app: web.Application):
 def create_app(state: ServerState) -> web.Application:
     from orca_jax.server import handlers
 
-    app = web.Application(middlewares=[errors_middleware, auth_middleware],
+    app = web.Application(middlewares=[request_log_middleware, errors_middleware, auth_middleware],
                           client_max_size=state.settings.max_request_bytes)
     app[STATE] = state
     app.cleanup_ctx.append(engine_lifetime)
@@ -180,6 +227,9 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_get("/v1/models", handlers.list_models)
     app.router.add_get("/v1/models/{model:.+}", handlers.retrieve_model)
+    app.router.add_post("/tokenize", handlers.tokenize)
+    app.router.add_post("/detokenize", handlers.detokenize)
+    app.router.add_get("/version", handlers.version)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics)
     return app

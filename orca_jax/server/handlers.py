@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import time
 from typing import AsyncIterator
@@ -20,8 +21,9 @@ from orca_jax.engine.engine import RequestRejected
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.server import responses
-from orca_jax.server.app import STATE, ServerState, read_json
-from orca_jax.server.protocol import APIError, invalid, parse_chat, parse_completion
+from orca_jax.server.app import STATE, RequestRecord, ServerState, read_json, request_record
+from orca_jax.server.protocol import (APIError, invalid, parse_chat, parse_completion, parse_detokenize,
+                                      parse_tokenize)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -41,6 +43,14 @@ async def metrics(request: web.Request) -> web.Response:
     from orca_jax.server.metrics import CONTENT_TYPE
 
     return web.Response(body=request.app[STATE].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def version(request: web.Request) -> web.Response:
+    try:
+        number = importlib.metadata.version("orca-jax")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never pip-installed
+        number = "unknown"
+    return web.json_response({"version": number})
 
 
 def _model_card(state: ServerState) -> dict:
@@ -80,11 +90,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
         _validate(engine, ids, req.params)
     n = req.params.n
     prompt_tokens = sum(len(ids) for _, ids in prompts)
+    record = request_record()
+    record.prompt_tokens = prompt_tokens
     with state.admitted(len(prompts) * n):
         state.metrics.prompt_tokens.inc(prompt_tokens)
-        outputs = _generate_all(state, engine, prompts, req.params, arrival)
+        outputs = _generate_all(state, engine, prompts, req.params, arrival, record)
         async with contextlib.aclosing(outputs):
-            response_id = responses.new_id("cmpl")
+            response_id = record.request_id = responses.new_id("cmpl")
             echo = [(text if text is not None else _decode(engine, ids)) if req.echo else "" for text, ids in prompts]
             if req.stream:
                 chunks = _completion_chunks(outputs, req, response_id, model, echo, prompt_tokens)
@@ -110,24 +122,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat(await read_json(request))
     engine = state.require_engine()
     model = _check_model(state, req.model)
-    tokenizer = engine.engine.tokenizer
-    if tokenizer is None:
-        raise invalid("this model has no tokenizer, so no chat template; use /v1/completions with token ids")
-    try:
-        text = tokenizer.apply_chat_template(req.messages)
-    except Exception as error:  # noqa: BLE001 - templates raise their own errors (e.g. on role order)
-        raise invalid(f"the model's chat template cannot render these messages: {error}", "messages") from error
-    _, ids = _tokenize(engine, text)
+    _, ids = _tokenize(engine, _render_chat(engine, req.messages))
     params = req.params
     if not req.max_tokens_given:  # OpenAI's default: whatever room the context leaves
         room = engine.engine.max_request_tokens - len(ids)
         params = params.clone(max_tokens=max(room, 1, params.min_tokens))
     _validate(engine, ids, params)
+    record = request_record()
+    record.prompt_tokens = len(ids)
     with state.admitted(params.n):
         state.metrics.prompt_tokens.inc(len(ids))
-        outputs = _generate_all(state, engine, [(None, ids)], params, arrival)
+        outputs = _generate_all(state, engine, [(None, ids)], params, arrival, record)
         async with contextlib.aclosing(outputs):
-            response_id = responses.new_id("chatcmpl")
+            response_id = record.request_id = responses.new_id("chatcmpl")
             if req.stream:
                 chunks = _chat_chunks(outputs, req, params, response_id, model, len(ids))
                 return await _send_events(request, chunks)
@@ -143,14 +150,59 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return web.json_response(body)
 
 
-def _tokenize(engine: AsyncLLMEngine, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+# ---- tokenizer endpoints (vLLM's) ----------------------------------------------------------------
+async def tokenize(request: web.Request) -> web.Response:
+    """A prompt or chat messages to token ids, exactly as the generation endpoints would tokenize them
+    unless `add_special_tokens` says otherwise."""
+    state = request.app[STATE]
+    req = parse_tokenize(await read_json(request))
+    engine = state.require_engine()
+    _check_model(state, req.model)
+    if req.messages is not None:
+        text = _render_chat(engine, req.messages, req.add_generation_prompt)
+    else:
+        text = req.prompt
+    _, ids = _tokenize(engine, text, add_bos=req.add_special_tokens)
+    request_record().prompt_tokens = len(ids)
+    return web.json_response({"count": len(ids), "max_model_len": engine.engine.max_model_len, "tokens": ids})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req = parse_detokenize(await read_json(request))
+    engine = state.require_engine()
+    _check_model(state, req.model)
+    tokenizer = engine.engine.tokenizer
+    if tokenizer is None:
+        raise invalid("this model has no tokenizer, so token ids cannot be turned into text")
+    vocab = tokenizer.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise invalid(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+    request_record().prompt_tokens = len(req.tokens)
+    return web.json_response({"prompt": tokenizer.decode(req.tokens)})
+
+
+def _render_chat(engine: AsyncLLMEngine, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    tokenizer = engine.engine.tokenizer
+    if tokenizer is None:
+        raise invalid("this model has no tokenizer, so no chat template; use /v1/completions with token ids")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except Exception as error:  # noqa: BLE001 - templates raise their own errors (e.g. on role order)
+        raise invalid(f"the model's chat template cannot render these messages: {error}", "messages") from error
+
+
+def _tokenize(engine: AsyncLLMEngine, prompt: str | list[int],
+              add_bos: bool | None = None) -> tuple[str | None, list[int]]:
+    """(text, ids); `add_bos` None follows the tokenizer's own rule, as generation does."""
     if isinstance(prompt, list):
         return None, prompt
     tokenizer = engine.engine.tokenizer
     if tokenizer is None:
         raise invalid("this model has no tokenizer; send the prompt as a list of token ids", "prompt")
     try:
-        return prompt, tokenizer.encode(prompt)
+        return prompt, tokenizer.encode(prompt, add_bos=add_bos)
     except Exception as error:  # noqa: BLE001 - the tokenizer's own message says what it could not encode
         raise invalid(f"the prompt could not be tokenized: {error}", "prompt") from error
 
@@ -168,9 +220,11 @@ def _validate(engine: AsyncLLMEngine, ids: list[int], params: SamplingParams) ->
 
 
 async def _generate_all(state: ServerState, engine: AsyncLLMEngine, prompts: list[tuple[str | None, list[int]]],
-                        params: SamplingParams, arrival: float) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Runs every prompt at once and yields (prompt index, output) as they come. Closing this
-    generator (the client left) cancels the per-prompt tasks, which aborts their requests."""
+                        params: SamplingParams, arrival: float,
+                        record: RequestRecord) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Runs every prompt at once and yields (prompt index, output) as they come, keeping the
+    record's completion token count current. Closing this generator (the client left) cancels the
+    per-prompt tasks, which aborts their requests."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, text: str | None, ids: list[int]) -> None:
@@ -182,6 +236,7 @@ async def _generate_all(state: ServerState, engine: AsyncLLMEngine, prompts: lis
 
     tasks = [asyncio.create_task(pump(i, text, ids)) for i, (text, ids) in enumerate(prompts)]
     last_token = {}  # (prompt, sample) -> (tokens seen, time of the latest)
+    generated = {}  # prompt -> tokens generated for it so far, all samples
     remaining = len(prompts)
     try:
         while remaining:
@@ -193,10 +248,12 @@ async def _generate_all(state: ServerState, engine: AsyncLLMEngine, prompts: lis
                     raise APIError(500, str(item), type="server_error")
                 raise APIError(400, str(item))
             _observe_tokens(state, item, i, last_token)
+            generated[i] = sum(len(c.token_ids) for c in item.outputs)
+            record.completion_tokens = sum(generated.values())
             if item.finished:
                 remaining -= 1
                 for c, m in zip(item.outputs, item.per_sample_metrics):
-                    state.metrics.on_finished(m, c.finish_reason or "abort")
+                    state.metrics.on_finished(m, c.finish_reason or "abort", len(item.prompt_token_ids))
             yield i, item
     finally:
         if remaining:  # the client went away before these finished
@@ -266,7 +323,8 @@ async def _completion_chunks(outputs, req, response_id: str, model: str, echo: l
                 offset = len(echo[i]) + deltas[index].text_sent - len(text)  # where this delta starts
                 logprobs = responses.completion_logprobs(tokens, entries, offset)
             choice = {"index": index, "text": prefix + text, "logprobs": logprobs, "finish_reason": finish_reason}
-            yield responses.envelope(response_id, "text_completion", model, [choice],
+            so_far = responses.usage(prompt_tokens, completion_tokens) if req.continuous_usage else None
+            yield responses.envelope(response_id, "text_completion", model, [choice], so_far,
                                      with_usage_field=req.include_usage)
     if req.include_usage:
         yield responses.envelope(response_id, "text_completion", model, [],
@@ -276,15 +334,16 @@ async def _completion_chunks(outputs, req, response_id: str, model: str, echo: l
 async def _chat_chunks(outputs, req, params: SamplingParams, response_id: str, model: str,
                        prompt_tokens: int) -> AsyncIterator[dict]:
     deltas = [responses.ChoiceDeltas(params.stop) for _ in range(params.n)]
+    completion_tokens = 0
 
     def chunk(index: int, delta: dict, logprobs=None, finish_reason=None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return responses.envelope(response_id, "chat.completion.chunk", model, [choice],
+        so_far = responses.usage(prompt_tokens, completion_tokens) if req.continuous_usage else None
+        return responses.envelope(response_id, "chat.completion.chunk", model, [choice], so_far,
                                   with_usage_field=req.include_usage)
 
     for index in range(params.n):  # the role comes first, before any content
         yield chunk(index, {"role": "assistant", "content": ""})
-    completion_tokens = 0
     async for _, output in outputs:
         for c in output.outputs:
             delta = deltas[c.index].advance(c)

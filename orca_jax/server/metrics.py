@@ -64,6 +64,14 @@ class ServerMetrics:
                                              buckets=TOKEN_LATENCY_BUCKETS, registry=r)
         self.e2e_latency = Histogram("orca_jax_e2e_request_latency_seconds", "Arrival to finish",
                                      buckets=LATENCY_BUCKETS, registry=r)
+        # As vLLM's prefix_cache_queries/hits: prompt tokens looked up in the prefix cache, and those it served
+        # (hits stay 0 with prefix caching off). Counted per finished sequence, from its RequestMetrics.
+        self.prefix_cache_queries = Counter("orca_jax_prefix_cache_queries",
+                                            "Prompt tokens of finished sequences looked up in the prefix cache",
+                                            registry=r)
+        self.prefix_cache_hits = Counter("orca_jax_prefix_cache_hits",
+                                         "Prompt tokens of finished sequences served by the prefix cache",
+                                         registry=r)
         self.queue_time = Histogram("orca_jax_request_queue_time_seconds", "Arrival to first scheduled",
                                     buckets=LATENCY_BUCKETS, registry=r)
 
@@ -71,8 +79,10 @@ class ServerMetrics:
         """Called by the engine thread after every iteration."""
         self.iteration_tokens.observe(stats.last_step_num_tokens)
 
-    def on_finished(self, metrics: RequestMetrics, outcome: str) -> None:
+    def on_finished(self, metrics: RequestMetrics, outcome: str, num_prompt_tokens: int) -> None:
         self.requests.labels(outcome).inc()
+        self.prefix_cache_queries.inc(num_prompt_tokens)
+        self.prefix_cache_hits.inc(metrics.num_cached_prompt_tokens)
         if metrics.time_to_first_token is not None:
             self.time_to_first_token.observe(metrics.time_to_first_token)
         if metrics.queue_time is not None:

@@ -22,7 +22,7 @@ COMMON_HONOURED = {"model", "max_tokens", "max_completion_tokens", "temperature"
                    "stream_options", "stop", "presence_penalty", "frequency_penalty", "seed", "logit_bias"}
 
 COMPLETION_HONOURED = COMMON_HONOURED | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-COMPLETION_ACCEPTED = {"user"}
+COMPLETION_ACCEPTED = {"user", "metadata"}
 COMPLETION_UNSUPPORTED: set[str] = set()
 
 CHAT_HONOURED = COMMON_HONOURED | {"messages", "logprobs", "top_logprobs", "response_format", "modalities",
@@ -31,6 +31,10 @@ CHAT_ACCEPTED = {"user", "metadata", "service_tier", "parallel_tool_calls", "pro
                  "safety_identifier"}
 CHAT_UNSUPPORTED = {"tools", "functions", "audio", "prediction", "web_search_options", "reasoning_effort",
                     "verbosity"}
+
+# vLLM's tokenizer endpoints: a text prompt, or chat messages rendered through the chat template.
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
+DETOKENIZE_FIELDS = {"model", "tokens"}
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_N = 16  # samples per prompt; each one is a sequence in the batch
@@ -60,6 +64,7 @@ class CompletionRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # every chunk carries the usage so far (vLLM's continuous_usage_stats)
     echo: bool
 
 
@@ -71,6 +76,22 @@ class ChatRequest:
     max_tokens_given: bool  # if not, the handler fills max_tokens with the rest of the context
     stream: bool
     include_usage: bool
+    continuous_usage: bool
+
+
+@dataclass
+class TokenizeRequest:
+    model: str | None
+    prompt: str | None  # exactly one of prompt and messages
+    messages: list[dict] | None
+    add_special_tokens: bool | None  # None: as the generation endpoints tokenize (the tokenizer's BOS rule)
+    add_generation_prompt: bool
+
+
+@dataclass
+class DetokenizeRequest:
+    model: str | None
+    tokens: list[int]
 
 
 def parse_completion(body: Any) -> CompletionRequest:
@@ -88,8 +109,8 @@ def parse_completion(body: Any) -> CompletionRequest:
     if best_of is not None and best_of != params.n:
         raise invalid(f"best_of={best_of} differs from n={params.n}; this server returns every sample, so "
                       "best_of must be left out or equal n", "best_of")
-    stream, include_usage = _stream(body)
-    return CompletionRequest(_model(body), _prompts(body), params, stream, include_usage, echo)
+    stream, include_usage, continuous_usage = _stream(body)
+    return CompletionRequest(_model(body), _prompts(body), params, stream, include_usage, continuous_usage, echo)
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -113,8 +134,38 @@ def parse_chat(body: Any) -> ChatRequest:
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     max_tokens_given = _max_tokens(body) is not None
     params = _sampling_params(body, top_logprobs, max_tokens_default=None)
-    stream, include_usage = _stream(body)
-    return ChatRequest(_model(body), _messages(body), params, max_tokens_given, stream, include_usage)
+    stream, include_usage, continuous_usage = _stream(body)
+    return ChatRequest(_model(body), _messages(body), params, max_tokens_given, stream, include_usage,
+                       continuous_usage)
+
+
+def parse_tokenize(body: Any) -> TokenizeRequest:
+    body = _object(body)
+    _check_fields(body, TOKENIZE_FIELDS, set(), set(), "/tokenize")
+    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
+    if has_prompt == has_messages:
+        raise invalid("give exactly one of 'prompt' (a string) and 'messages' (chat messages)",
+                      None if has_prompt else "prompt")
+    if has_prompt:
+        if body.get("add_generation_prompt") is not None:
+            raise invalid("'add_generation_prompt' applies to 'messages' only", "add_generation_prompt")
+        prompt = _get(body, "prompt", str)
+        return TokenizeRequest(_model(body), prompt, None, _get(body, "add_special_tokens", bool), False)
+    return TokenizeRequest(_model(body), None, _messages(body), _get(body, "add_special_tokens", bool),
+                           _get(body, "add_generation_prompt", bool, True))
+
+
+def parse_detokenize(body: Any) -> DetokenizeRequest:
+    body = _object(body)
+    _check_fields(body, DETOKENIZE_FIELDS, set(), set(), "/detokenize")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list):
+        raise invalid(f"'tokens' must be a list of token ids (integers), got {json_type(tokens)}", "tokens")
+    for i, token in enumerate(tokens):
+        if not _is_token(token):
+            raise invalid(f"'tokens' must be a list of token ids (integers); tokens[{i}] is {json_type(token)}",
+                          "tokens")
+    return DetokenizeRequest(_model(body), tokens)
 
 
 # ---- pieces --------------------------------------------------------------------------------
@@ -164,17 +215,24 @@ def _max_tokens(body: dict) -> int | None:
     return value if value is not None else _get(body, "max_tokens", int)
 
 
-def _stream(body: dict) -> tuple[bool, bool]:
+def _stream(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats)."""
     stream = _get(body, "stream", bool, False)
     options = _get(body, "stream_options", dict)
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise invalid("'stream_options' is only allowed with 'stream': true", "stream_options")
     unknown = set(options) - {"include_usage", "continuous_usage_stats"}
     if unknown:
-        raise invalid(f"unknown stream_options {sorted(unknown)}; this server knows 'include_usage'", "stream_options")
-    return stream, _get(options, "include_usage", bool, False)
+        raise invalid(f"unknown stream_options {sorted(unknown)}; this server knows 'include_usage' and "
+                      "'continuous_usage_stats'", "stream_options")
+    include_usage = _get(options, "include_usage", bool, False)
+    continuous = _get(options, "continuous_usage_stats", bool, False)
+    if continuous and not include_usage:  # vLLM ignores it then; we say so instead
+        raise invalid("stream_options.continuous_usage_stats needs 'include_usage': true as well",
+                      "stream_options")
+    return stream, include_usage, continuous
 
 
 def _sampling_params(body: dict, logprobs: int | None, max_tokens_default: int | None) -> SamplingParams:

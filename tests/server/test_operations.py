@@ -108,6 +108,11 @@ def test_api_key(make_server):
     assert status == 200 and json.loads(raw)["choices"][0]["text"] == expected_text(1, 2)
     assert http(server, "GET", "/health")[0] == 200  # probes need no key
     assert http(server, "GET", "/metrics")[0] == 200
+    assert http(server, "GET", "/version")[0] == 200
+    for path, body in (("/tokenize", {"prompt": "1 2"}), ("/detokenize", {"tokens": [64, 3, 4]})):
+        assert http(server, "POST", path, body)[0] == 401, path  # the tokenizer endpoints need the key
+    status, _, raw = http(server, "POST", "/detokenize", {"tokens": [64, 3, 4]}, {"Authorization": "Bearer s3cret"})
+    assert status == 200 and json.loads(raw) == {"prompt": "<s> 3 4"}
 
 
 def test_a_failing_step_fails_only_its_requests(make_server, monkeypatch):
