@@ -5,21 +5,13 @@ import dataclasses
 
 import pytest
 
-from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
-from orca_jax.engine.engine import LLMEngine
 from orca_jax.sampling_params import SamplingParams
 
-from .mock_runner import MockRunner
-from .test_scheduler import MODEL, POLICIES, VOCAB, expected_output, mixed_workload, run
+from .test_scheduler import POLICIES, VOCAB, expected_output, make_engine, mixed_workload, run
 
 
-def pipelined_engine(policy, *, depth=2, num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=64):
-    config = EngineConfig(
-        model="mock",
-        cache=CacheConfig(page_size=page_size),
-        scheduler=SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-    )
-    return LLMEngine(config, MODEL, MockRunner(num_pages, page_size, VOCAB, max_in_flight=depth), tokenizer=None)
+def pipelined_engine(policy, **limits):
+    return make_engine(policy, depth=limits.pop("depth", 2), **limits)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

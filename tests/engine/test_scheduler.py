@@ -15,13 +15,15 @@ POLICIES = ["static", "orca", "paged", "chunked"]
 MODEL = dataclasses.replace(load_model_preset("tiny"), vocab_size=VOCAB, eos_token_id=None, max_position=4096)
 
 
-def make_engine(policy, *, num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=64, prefix_caching=False):
+def make_engine(policy, *, num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=64, prefix_caching=False,
+                depth=1):
+    """An engine over the mock runner; `depth` > 1 lets it keep that many steps in flight (a pipeline)."""
     config = EngineConfig(
         model="mock",
         cache=CacheConfig(page_size=page_size, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
     )
-    return LLMEngine(config, MODEL, MockRunner(num_pages, page_size, VOCAB), tokenizer=None)
+    return LLMEngine(config, MODEL, MockRunner(num_pages, page_size, VOCAB, max_in_flight=depth), tokenizer=None)
 
 
 def expected_output(prompt, max_tokens):
