@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from orca_jax.config import DEFAULT_MODEL
+from orca_jax.parallel.multihost import DistributedConfig, follow_leader, run_process
 from orca_jax.parallel.plan_cli import add_plan_arguments, plan_command
 from orca_jax.sizes import byte_size
 
@@ -176,22 +177,8 @@ def distributed_config(args: argparse.Namespace):
     if any(v is None for v in given):
         raise ValueError("multi-host needs all of --coordinator-address, --num-processes and --process-id "
                          "(or $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID)")
-    from orca_jax.parallel.multihost import DistributedConfig
-
     return DistributedConfig(args.coordinator_address, args.num_processes, args.process_id,
                              step_timeout=args.step_timeout)
-
-
-def _follow(config, dist) -> int:
-    """A follower process: build the same runner, then run the leader's steps until it is done."""
-    import logging
-
-    from orca_jax.engine.builder import BuildOptions, build_runner
-    from orca_jax.parallel.multihost import follow
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    runner, _, _ = build_runner(config, BuildOptions(show_progress=False), distributed=dist)
-    return follow(runner, dist)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -242,34 +229,14 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     config, dist = engine_config(args), distributed_config(args)
     if dist is not None and not dist.is_leader:
-        return _multihost(dist, lambda: _follow(config, dist))
+        return run_process(dist, lambda: follow_leader(config, dist))
     prompts = _read_prompts(args)
     if not prompts:
         print("error: no prompts given (pass them as arguments, with --file, or on stdin)", file=sys.stderr)
         return 2
     if dist is not None:
-        return _multihost(dist, lambda: _print_outputs(args, prompts, params, LLM(config=config, distributed=dist)))
+        return run_process(dist, lambda: _print_outputs(args, prompts, params, LLM(config=config, distributed=dist)))
     return _print_outputs(args, prompts, params, LLM(config=config))
-
-
-def _multihost(dist, run) -> int:
-    """Runs a multi-host process and ends it with its exit code; any failure is one clean error line
-    (not a normal interpreter exit: with a peer gone, jax's shutdown can block forever)."""
-    from orca_jax.engine.step_plan import RunnerLost
-    from orca_jax.parallel.multihost import exit_now, initialize
-
-    # Native libraries (gloo) print to file descriptor 1; keep the results alone on stdout by pointing
-    # fd 1 at stderr and giving Python's sys.stdout the original stdout.
-    results = os.dup(1)
-    os.dup2(2, 1)
-    sys.stdout = os.fdopen(results, "w")
-    initialize(dist)
-    try:
-        code = run()
-    except BaseException as error:  # noqa: BLE001 - whatever it was, leave through exit_now
-        print(f"error: {error}", file=sys.stderr)
-        code = 2 if isinstance(error, ValueError) and not isinstance(error, RunnerLost) else 1
-    exit_now(code)
 
 
 def _print_outputs(args: argparse.Namespace, prompts: list[str], params, llm) -> int:
@@ -325,7 +292,7 @@ def _serve(args: argparse.Namespace) -> int:
     if not is_complete(checkpoint):
         raise CheckpointError(missing_checkpoint_message(config.model, checkpoint))
     if dist is not None and not dist.is_leader:
-        return _multihost(dist, lambda: _follow(config, dist))
+        return run_process(dist, lambda: follow_leader(config, dist))
     settings = ServerSettings(
         model_name=args.served_model_name or config.model,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
@@ -347,7 +314,7 @@ def _serve(args: argparse.Namespace) -> int:
             built[0].runner.followers.close()  # tells the followers to exit 0 too
         return code
 
-    return run() if dist is None else _multihost(dist, run)
+    return run() if dist is None else run_process(dist, run)
 
 
 if __name__ == "__main__":

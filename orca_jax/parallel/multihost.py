@@ -31,6 +31,7 @@ import os
 import pickle
 import socket
 import struct
+import sys
 import time
 
 from orca_jax.engine.step_plan import RunnerLost, StepPlan
@@ -192,11 +193,30 @@ def follow(runner, dist: DistributedConfig) -> int:
         conn.close()
 
 
-def exit_now(code: int) -> None:
-    """Ends a multi-host process at once: with a peer gone, jax's own shutdown can block forever
-    in native code, so flush and leave without it."""
-    import sys
+def follow_leader(config, dist: DistributedConfig) -> int:
+    """A follower process: build the same runner as the leader, then run its steps until it is done."""
+    from orca_jax.engine.builder import BuildOptions, build_runner
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    runner, _, _ = build_runner(config, BuildOptions(show_progress=False), distributed=dist)
+    return follow(runner, dist)
+
+
+def run_process(dist: DistributedConfig, run) -> int:
+    """Joins the process group, runs `run()` and ends the process with its exit code. Any failure is
+    one `error:` line, and the process always leaves through `os._exit`: with a peer gone, jax's
+    own shutdown can block forever in native code."""
+    # Native libraries (gloo) print to file descriptor 1; keep the results alone on stdout by pointing
+    # fd 1 at stderr and giving Python's sys.stdout the original stdout.
+    results = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(results, "w")
+    initialize(dist)
+    try:
+        code = run()
+    except BaseException as error:  # noqa: BLE001 - whatever it was, leave through os._exit
+        print(f"error: {error}", file=sys.stderr)
+        code = 2 if isinstance(error, ValueError) and not isinstance(error, RunnerLost) else 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
