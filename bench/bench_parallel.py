@@ -79,7 +79,8 @@ def main() -> None:
     results = []
     for tp, pp in args.layouts:
         config = EngineConfig(
-            model=args.model, max_model_len=max_model_len, cache=CacheConfig(kv_cache_memory=args.kv_cache_memory // (tp * pp)),
+            model=args.model, max_model_len=max_model_len,
+            cache=CacheConfig(kv_cache_memory=args.kv_cache_memory // (tp * pp)),
             scheduler=SchedulerConfig(policy=args.policy, max_num_seqs=args.max_num_seqs,
                                       max_num_batched_tokens=args.max_num_batched_tokens),
             parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp))

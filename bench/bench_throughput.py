@@ -82,7 +82,8 @@ def decode_flops(llm: LLM, num_seqs: int, context: int) -> dict:
         padding_plan(num_seqs, num_seqs, runner.kv_layout, config.vocab_size),
         token_ids=np.arange(num_seqs, dtype=np.int32), positions=positions,
         segment_ids=np.arange(num_seqs, dtype=np.int32),
-        slot_mapping=(tables[:, (context - 1) // runner.page_size] * runner.page_size + (context - 1) % runner.page_size),
+        slot_mapping=(tables[:, (context - 1) // runner.page_size] * runner.page_size
+                      + (context - 1) % runner.page_size),
         block_tables=tables, kv_lens=np.full(num_seqs, context, np.int32),
         logits_index=np.arange(num_seqs, dtype=np.int32))
     seconds = timed(lambda: jax.device_get(runner.run_plan(plan)))

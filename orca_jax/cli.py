@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer <key>' on /v1/* (default: $ORCA_JAX_API_KEY, else none)")
-    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model as given)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model id clients send (default: the model as given)")
     serve.add_argument("--max-queued-requests", type=int, default=256,
                        help="sequences that may wait beyond the running batch; more get a fast 503")
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")

@@ -1,7 +1,7 @@
 """One place that turns an EngineConfig into a warmed-up runner and an engine.
 
-The offline `LLM`, the CLI (`generate`, `serve`) and the multi-host follower all build through
-`build_engine`, so every setting of the config (the TOML's `[parallel]` section included) reaches
+The offline `LLM` and the CLI (`generate`, `serve`) build through `build_engine`, a multi-host
+follower through `build_runner` (it runs the leader's warm-up), so every setting of the config (the TOML's `[parallel]` section included) reaches
 the runner the same way.
 """
 
@@ -17,7 +17,6 @@ from orca_jax.config import ConfigError, EngineConfig
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.engine.runner import ModelRunner
 from orca_jax.engine.step_plan import Buckets
-from orca_jax.parallel.layout import check_parallel
 from orca_jax.parallel.memory_plan import plan_memory
 from orca_jax.parallel.multihost import DistributedConfig
 
@@ -35,7 +34,7 @@ def build_engine(config: EngineConfig, options: BuildOptions = BuildOptions(),
                  loaded: LoadedModel | None = None, devices: list | None = None,
                  distributed: DistributedConfig | None = None) -> LLMEngine:
     """Loads the model (pulled on first use), checks the layout, sizes the KV cache, compiles every
-    bucket and returns the engine. Configuration errors raise before anything is allocated. With
+    bucket and returns the engine. Configuration errors raise before any device program is built. With
     `distributed` (this process is the leader), the followers must connect before warm-up, which
     they run in lockstep."""
     runner, loaded, max_model_len = build_runner(config, options, loaded, devices, distributed)
@@ -59,12 +58,12 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
         raise ConfigError(f"dtype={config.dtype!r} but the given model is loaded in {loaded.config.dtype}; "
                           "load it with load_model(..., dtype=...)")
     model_config = loaded.config
-    check_parallel(model_config, config.parallel)  # before the devices are even counted
     max_model_len = config.max_model_len or model_config.max_position
     if max_model_len > model_config.max_position:
         raise ConfigError(f"max_model_len={max_model_len} exceeds {model_config.name}'s context length of "
                           f"{model_config.max_position} tokens; lower it")
-    # Pages per device from kv_cache_memory; refuses a cache that cannot hold one max-length sequence.
+    # Checks the layout (tp divisibility, stages) and sizes the pages per device from kv_cache_memory;
+    # refuses a cache that cannot hold one max-length sequence.
     plan = plan_memory(model_config, config.parallel, page_size=config.cache.page_size, max_model_len=max_model_len,
                        kv_cache_memory=config.cache.kv_cache_memory)
     runner = ModelRunner(loaded.model, num_pages=plan.num_pages, page_size=config.cache.page_size,

@@ -106,7 +106,8 @@ class Stage:
     local: bool  # this process owns the stage's devices; otherwise the three fields below are empty
     params: Any = None  # nnx.State of the stage's DecoderStage, sharded by the logical-axis rules
     kv_caches: list = dataclasses.field(default_factory=list)  # one (k_pages, v_pages) per layer
-    program: Callable | None = None  # jitted (params, kv_caches, x, inputs, sampling) -> (x or SamplerOutput, kv_caches)
+    # jitted (params, kv_caches, x, inputs, sampling) -> (x or SamplerOutput, kv_caches)
+    program: Callable | None = None
 
 
 @dataclasses.dataclass

@@ -15,7 +15,7 @@ stages work on different iterations at once (Orca's batches in flight).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -123,9 +123,11 @@ class Runner(Protocol):
         """Waits for a dispatched step; the sampled token of every request whose step reached its end."""
 
 
-def padding_plan(num_tokens: int, num_seqs: int, kv: KVLayout, vocab_size: int) -> StepPlan:
+def padding_plan(num_tokens: int, num_seqs: int, kv: KVLayout, vocab_size: int,
+                 requests: Sequence[Request] = ()) -> StepPlan:
     """A plan of one bucket's shape, all padding (tokens out of every segment, writing only to the
-    scratch slot). Warm-up runs it as it is; `build_step_plan` fills in the real rows."""
+    scratch slot), with the sampling parameters of `requests` in its first rows. Warm-up runs it as
+    it is; `build_step_plan` fills in the real rows."""
     return StepPlan(
         token_ids=np.zeros(num_tokens, np.int32),
         positions=np.zeros(num_tokens, np.int32),
@@ -134,14 +136,14 @@ def padding_plan(num_tokens: int, num_seqs: int, kv: KVLayout, vocab_size: int) 
         block_tables=np.zeros((num_seqs, kv.max_pages_per_seq), np.int32),
         kv_lens=np.zeros(num_seqs, np.int32),
         logits_index=np.zeros(num_seqs, np.int32),
-        sampling=sampling_arrays([], num_seqs, vocab_size),
+        sampling=sampling_arrays(list(requests), num_seqs, vocab_size),
     )
 
 
 def build_step_plan(out: SchedulerOutput, buckets: Buckets, kv: KVLayout, vocab_size: int) -> StepPlan:
     # Static batches keep finished members as padding rows: they cost compute, as in FasterTransformer.
     num_tokens, num_seqs = buckets.pick(out.num_batched_tokens + out.num_padding_seqs, out.num_seqs)
-    plan = padding_plan(num_tokens, num_seqs, kv, vocab_size)
+    plan = padding_plan(num_tokens, num_seqs, kv, vocab_size, [p.request for p in out.scheduled])
     t = 0
     for row, planned in enumerate(out.scheduled):
         request, n, start = planned.request, planned.num_new_tokens, planned.start
@@ -157,7 +159,6 @@ def build_step_plan(out: SchedulerOutput, buckets: Buckets, kv: KVLayout, vocab_
         if planned.samples:
             plan.sample_rows.append((request.request_id, row, request.params.logprobs))
         t += n
-    plan.sampling = sampling_arrays([p.request for p in out.scheduled], num_seqs, vocab_size)
     plan.num_real_tokens = out.num_batched_tokens
     return plan
 

@@ -48,14 +48,21 @@ def mixed_workload(n=10):
     return [([(7 * i + j) % VOCAB for j in range(3 + (5 * i) % 13)], 1 + (3 * i) % 9) for i in range(n)]
 
 
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_every_policy_gives_every_request_its_right_output(policy):
-    engine = make_engine(policy)
+def test_every_policy_gives_every_request_its_right_output(policy, depth):
+    """Also with two steps in flight (a pipeline): the mock refuses a request in two of them."""
+    engine = make_engine(policy, depth=depth)
     outputs, _ = run(engine, mixed_workload())
     for (prompt, max_tokens), out in zip(mixed_workload(), outputs):
         assert out.outputs[0].token_ids == expected_output(prompt, max_tokens)
         assert out.outputs[0].finish_reason == "length"
     assert engine.kv.num_free_pages == engine.kv.num_pages  # everything returned
+    assert not engine.in_flight and not engine.runner.pending
+    if policy == "static":  # a static batch steps as one: nothing to overlap it with
+        assert set(engine.in_flight_depths) == {1}
+    else:
+        assert max(engine.in_flight_depths) == depth
 
 
 def test_static_admits_only_into_an_empty_batch_and_releases_together():
