@@ -149,21 +149,18 @@ def stage_times(runner, num_tokens: int, num_seqs: int, rounds: int = 3) -> list
     """Each stage's program alone on a padding step of this bucket: the best of `rounds` runs."""
     import jax
 
-    from orca_jax.engine.runner import StepInputs
     from orca_jax.engine.step_plan import padding_plan
 
     plan = padding_plan(num_tokens, num_seqs, runner.kv_layout, runner.config.vocab_size)
     times, x = [], None
     for stage in runner.stages:
-        inputs = jax.device_put(StepInputs.of(plan), stage.replicated)
-        sampling = runner._sampling_metadata(plan, stage) if stage.last else None
         if x is not None:
             x = jax.device_put(x, stage.replicated)
         best = float("inf")
         for _ in range(rounds):
             jax.block_until_ready(x)
             begin = time.perf_counter()
-            out, stage.kv_caches = stage.program(stage.params, stage.kv_caches, x, inputs, sampling)
+            out = runner.run_stage(stage, plan, x)
             jax.block_until_ready(out)
             best = min(best, time.perf_counter() - begin)
         times.append(best)

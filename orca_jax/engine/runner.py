@@ -14,8 +14,15 @@ stages it owns, the leader sends every plan to the followers before running it, 
 runs every plan: its own stages, and its side of each transfer between processes (a process that
 does not hold a stage's output passes a placeholder with the output's shape and no local data).
 
-Every bucket is compiled at warm-up; `num_compilations_after_warmup` counts any compilation after
-that (it must stay 0: a recompile in serving is a multi-second stall).
+Compiled shapes: a stage's layers are one program per token bucket only (the attention inputs
+always carry `max_num_seqs` rows of block tables), and the last stage's final norm, LM head and
+sampler one small program per sequence bucket; so a start-up compiles |token buckets| +
+|sequence buckets| programs, not their product. Warm-up compiles every one ahead of time
+(`lower(...).compile()`, no padding steps run), loading each from the executable store
+(compile_cache.py) when an earlier run of the same code and settings stored it. A step calls the
+compiled programs directly; a shape that was not compiled at warm-up is compiled on the spot and
+counted in `num_compilations_after_warmup` (it must stay 0: a compile in serving is a multi-second
+stall).
 """
 
 from __future__ import annotations
@@ -24,7 +31,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import sys
 import time
 from typing import Any, Callable
@@ -37,7 +43,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Int
 from tqdm.auto import tqdm
 
-from orca_jax.config import REPO_ROOT, ConfigError, ParallelConfig
+from orca_jax.config import ConfigError, ParallelConfig
+from orca_jax.engine.compile_cache import ExecutableStore, enable_compilation_cache
 from orca_jax.engine.scheduler import SchedulerOutput
 from orca_jax.engine.step_plan import (Buckets, KVLayout, RunnerLost, SampledToken, StepPlan, build_step_plan,
                                        padding_plan, sampled_tokens)
@@ -54,16 +61,6 @@ log = logging.getLogger(__name__)
 
 
 
-def enable_compilation_cache() -> None:
-    """JAX's persistent compilation cache, on by default: a second start-up skips XLA compiles.
-    $ORCA_JAX_COMPILATION_CACHE overrides the location; an explicit jax config setting wins."""
-    if jax.config.jax_compilation_cache_dir:
-        return
-    path = os.environ.get("ORCA_JAX_COMPILATION_CACHE", str(REPO_ROOT / ".jax_cache"))
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
@@ -73,9 +70,9 @@ class StepInputs:
     positions: Int[Array, " T"]
     segment_ids: Int[Array, " T"]
     slot_mapping: Int[Array, " T"]
-    block_tables: Int[Array, "S max_pages"]
-    kv_lens: Int[Array, " S"]
-    logits_index: Int[Array, " S"]
+    block_tables: Int[Array, "S_max max_pages"]
+    kv_lens: Int[Array, " S_max"]
+    logits_index: Int[Array, " S_max"]
 
     @classmethod
     def of(cls, plan: StepPlan) -> "StepInputs":
@@ -106,8 +103,13 @@ class Stage:
     local: bool  # this process owns the stage's devices; otherwise the three fields below are empty
     params: Any = None  # nnx.State of the stage's DecoderStage, sharded by the logical-axis rules
     kv_caches: list = dataclasses.field(default_factory=list)  # one (k_pages, v_pages) per layer
-    # jitted (params, kv_caches, x, inputs, sampling) -> (x or SamplerOutput, kv_caches)
-    program: Callable | None = None
+    # jitted (params, kv_caches, x, inputs) -> (activations [T, D], or from the last stage those of
+    # each sequence's last token [S_max, D]; kv_caches)
+    layers_program: Callable | None = None
+    # the last stage's jitted (params, last-token activations [S_max, D], sampling [S]) -> SamplerOutput
+    head_program: Callable | None = None
+    # ("layers", T) or ("head", S) -> the compiled program, filled by warm-up
+    executables: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -131,18 +133,21 @@ class ModelRunner:
         parallel: ParallelConfig,
         devices: list | None = None,
         step_timeout: float | None = None,
+        executable_store: ExecutableStore | None = None,
     ):
         """`attention_impl`: "auto", "xla", "pallas" or "pallas-interpret", resolved here for the
         devices' platform. `devices` (default: all of jax.devices(), every process's) are split
         into pp x tp. `step_timeout`: seconds to wait for a step's result from other processes
-        before raising RunnerLost (multi-host only; warm-up allows ten times as long, for compiles)."""
+        before raising RunnerLost (multi-host only; warm-up allows ten times as long). Compiled
+        programs are kept in `executable_store` (default: under $ORCA_JAX_COMPILATION_CACHE)."""
         enable_compilation_cache()
         config = model.config
         check_parallel(config, parallel)
         meshes = stage_meshes(parallel, devices)
         self.config = config
         self.parallel = parallel
-        self.kv_layout = KVLayout(num_pages, page_size, -(-max_model_len // page_size))
+        self.kv_layout = KVLayout(num_pages, page_size, -(-max_model_len // page_size), buckets.seqs[-1])
+        self.executable_store = executable_store or ExecutableStore.default()
         self.buckets = buckets
         self.max_in_flight = parallel.pipeline_parallel_size
         platform = meshes[0].devices.flat[0].platform
@@ -164,7 +169,8 @@ class ModelRunner:
         self._follower_outputs: collections.deque = collections.deque()  # a follower's recent stage outputs
         self._last_local_output = None
         self._zero_penalties: dict[int, tuple[jax.Array, jax.Array]] = {}
-        self._warm_cache_size: int | None = None
+        self._warmed_up = False
+        self._compilations_after_warmup = 0
         self.stats = RunnerStats()
 
     def _build_stage(self, index: int, model: Decoder, layers: range, mesh: Mesh, kv_shape) -> Stage:
@@ -186,19 +192,24 @@ class ModelRunner:
         zeros = jax.jit(lambda: jnp.zeros(kv_shape, jnp.dtype(self.config.dtype)), out_shardings=kv_sharding)
         attention = sharded_paged_attention(self.attention_impl, mesh)
 
-        def program(params, kv_caches, x, inputs: StepInputs, sampling: SamplingMetadata | None):
+        def run_layers(params, kv_caches, x, inputs: StepInputs):
             stage = nnx.merge(graphdef, params)
             meta = AttentionMetadata(positions=inputs.positions, segment_ids=inputs.segment_ids,
                                      slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables,
                                      kv_lens=inputs.kv_lens)
-            out, kv_caches = stage(inputs.token_ids if first else x, meta, kv_caches, inputs.logits_index, attention)
-            return (sample(out, sampling) if last else out), kv_caches
+            return stage(inputs.token_ids if first else x, meta, kv_caches, inputs.logits_index, attention)
 
-        # Pinning output placements keeps the donated caches' sharding identical across steps, so
-        # the jit cache key never changes after warm-up.
-        jitted = jax.jit(program, donate_argnums=(1,), out_shardings=(replicated, kv_sharding))
+        def run_head(params, last_tokens, sampling: SamplingMetadata):
+            num_seqs = sampling.temperature.shape[0]  # the sequence bucket: only its rows get logits
+            return sample(nnx.merge(graphdef, params).logits(last_tokens[:num_seqs]), sampling)
+
+        # Pinning output placements keeps the donated caches' sharding identical across steps, so a
+        # step's outputs are always valid inputs of the next.
+        layers_program = jax.jit(run_layers, donate_argnums=(1,), out_shardings=(replicated, kv_sharding))
+        head_program = jax.jit(run_head, out_shardings=replicated) if last else None
         return Stage(index, layers, mesh, replicated, first, last, local=True, params=params,
-                     kv_caches=[(zeros(), zeros()) for _ in layers], program=jitted)
+                     kv_caches=[(zeros(), zeros()) for _ in layers], layers_program=layers_program,
+                     head_program=head_program)
 
     @property
     def num_pages(self) -> int:
@@ -224,29 +235,63 @@ class ModelRunner:
 
     # ---- compilation ---------------------------------------------------------------------
     def warm_up(self, show_progress: bool = True) -> float:
-        """Compiles (or loads from the persistent cache) every bucket; returns seconds taken."""
+        """Compiles (or loads) every program, then runs one padding step through every stage, which
+        on several processes also opens each transfer between them. Returns seconds taken."""
         start = time.perf_counter()
-        pairs = self.buckets.pairs()
-        for tokens, seqs in tqdm(pairs, desc="compiling buckets", disable=not show_progress, leave=False):
-            plan = padding_plan(tokens, seqs, self.kv_layout, self.config.vocab_size)
-            self._wait(self.run_plan(plan), 10 * self.step_timeout if self.step_timeout else None)
+        self.compile_programs(show_progress)
+        plan = padding_plan(self.buckets.tokens[0], self.buckets.seqs[0], self.kv_layout, self.config.vocab_size)
+        self._wait(self.run_plan(plan), 10 * self.step_timeout if self.step_timeout else None)
         elapsed = time.perf_counter() - start
-        self._warm_cache_size = self._cache_size()
         self.stats = RunnerStats()
         if show_progress:
-            print(f"warm-up: {len(pairs)} buckets (tokens {list(self.buckets.tokens)} x seqs "
-                  f"{list(self.buckets.seqs)}) x {len(self.stages)} stage(s) ready in {elapsed:.1f} s",
-                  file=sys.stderr)
+            loaded = self.executable_store.loaded
+            print(f"warm-up: {len(self.buckets.tokens)} token buckets {list(self.buckets.tokens)} + "
+                  f"{len(self.buckets.seqs)} sequence buckets {list(self.buckets.seqs)} x {len(self.stages)} "
+                  f"stage(s) ready in {elapsed:.1f} s ({loaded} program(s) loaded from "
+                  f"{self.executable_store.directory}, the others compiled)", file=sys.stderr)
         return elapsed
 
-    def _cache_size(self) -> int:
-        return sum(stage.program._cache_size() for stage in self.stages if stage.local)
+    def compile_programs(self, show_progress: bool = False) -> None:
+        """Every program a step can call, for the stages this process owns, ahead of time. A
+        follower process calls only this: the leader's padding step reaches it as a plan."""
+        programs = [(stage, "layers", t) for stage in self.stages if stage.local for t in self.buckets.tokens]
+        programs += [(stage, "head", s) for stage in self.stages if stage.local and stage.last for s in self.buckets.seqs]
+        for stage, name, size in tqdm(programs, desc="compiling", disable=not show_progress, leave=False):
+            stage.executables[name, size] = self._compile(stage, name, size)
+        self._warmed_up = True
+
+    def _compile(self, stage: Stage, name: str, size: int):
+        if name == "layers":
+            placed = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=stage.replicated)  # noqa: E731
+            plan = padding_plan(size, self.buckets.seqs[0], self.kv_layout, self.config.vocab_size)
+            inputs = jax.tree.map(lambda a: placed(a.shape, a.dtype), StepInputs.of(plan))
+            x = None if stage.first else placed((size, self.config.d_model), jnp.dtype(self.config.dtype))
+            args, program = (stage.params, stage.kv_caches, x, inputs), stage.layers_program
+            out_tree = jax.tree.structure((0, stage.kv_caches))
+        else:
+            plan = padding_plan(self.buckets.tokens[0], size, self.kv_layout, self.config.vocab_size)
+            last_tokens = jax.ShapeDtypeStruct((self.kv_layout.max_num_seqs, self.config.d_model),
+                                               jnp.dtype(self.config.dtype), sharding=stage.replicated)
+            args, program = (stage.params, last_tokens, self._sampling_metadata(plan, stage)), stage.head_program
+            out_tree = jax.tree.structure(SamplerOutput(0, 0, 0, 0))
+        return self.executable_store.load_or_compile(
+            f"{name}{size}-stage{stage.index}", args, repr((self.config, self.attention_impl)),
+            lambda: program.lower(*args), out_tree, list(stage.mesh.devices.flat))
+
+    def _program(self, stage: Stage, name: str, size: int):
+        """The compiled program for a shape; one missing after warm-up is compiled now and counted."""
+        compiled = stage.executables.get((name, size))
+        if compiled is None:
+            if self._warmed_up:
+                self._compilations_after_warmup += 1
+                log.warning("compiling %s program of size %d after warm-up: a stall; this shape was not "
+                            "among the buckets", name, size)
+            compiled = stage.executables[name, size] = self._compile(stage, name, size)
+        return compiled
 
     @property
     def num_compilations_after_warmup(self) -> int:
-        if self._warm_cache_size is None:
-            return 0
-        return self._cache_size() - self._warm_cache_size
+        return self._compilations_after_warmup
 
     # ---- one step ------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
@@ -299,7 +344,6 @@ class ModelRunner:
             raise RunnerLost(f"process {jax.process_index()} failed a step the others are running: {error}") from error
 
     def _run_stages(self, plan: StepPlan) -> SamplerOutput:
-        inputs = StepInputs.of(plan)
         num_tokens, num_seqs = plan.bucket
         x = None
         for stage in self.stages:
@@ -307,14 +351,21 @@ class ModelRunner:
                 x = self._move(x, self.stages[stage.index - 1], stage.replicated,
                                jax.ShapeDtypeStruct((num_tokens, self.config.d_model), jnp.dtype(self.config.dtype)))
             if stage.local:
-                # One explicit placement for host arrays and device-resident ones alike: mixing the
-                # two would give the jit cache two keys for one bucket.
-                stage_inputs = jax.device_put(inputs, stage.replicated)
-                sampling = self._sampling_metadata(plan, stage) if stage.last else None
-                x, stage.kv_caches = stage.program(stage.params, stage.kv_caches, x, stage_inputs, sampling)
-                self._last_local_output = x
+                x = self._last_local_output = self.run_stage(stage, plan, x)
         if self.multi_process:
             x = self._move(x, self.stages[-1], self.stages[0].replicated, _result_shapes(num_seqs))
+        return x
+
+    def run_stage(self, stage: Stage, plan: StepPlan, x):
+        """A local stage's programs on the plan and the previous stage's activations `x` (None for
+        the first stage): returns the activations for the next stage, or the sampled tokens."""
+        num_tokens, num_seqs = plan.bucket
+        # The compiled programs take their inputs exactly where they were compiled for: on every
+        # device of the stage.
+        inputs = jax.device_put(StepInputs.of(plan), stage.replicated)
+        x, stage.kv_caches = self._program(stage, "layers", num_tokens)(stage.params, stage.kv_caches, x, inputs)
+        if stage.last:
+            x = self._program(stage, "head", num_seqs)(stage.params, x, self._sampling_metadata(plan, stage))
         return x
 
     def _move(self, value, source: Stage, destination: NamedSharding, shapes):
@@ -340,7 +391,7 @@ class ModelRunner:
     def _sampling_metadata(self, plan: StepPlan, stage: Stage) -> SamplingMetadata:
         fields = dict(plan.sampling)
         if fields["output_counts"] is None:
-            fields["output_counts"], fields["seen_tokens"] = self._zero_penalty_arrays(len(plan.kv_lens), stage)
+            fields["output_counts"], fields["seen_tokens"] = self._zero_penalty_arrays(plan.bucket[1], stage)
         return jax.device_put(SamplingMetadata(**fields), stage.replicated)
 
     def _zero_penalty_arrays(self, num_seqs: int, stage: Stage) -> tuple[jax.Array, jax.Array]:

@@ -69,6 +69,9 @@ class KVLayout:
     num_pages: int
     page_size: int
     max_pages_per_seq: int
+    # Rows of every step's block tables, KV lengths and last-token indices (the largest sequence
+    # bucket): the same in every step, so the layers' programs depend on the token bucket only.
+    max_num_seqs: int
 
     @property
     def scratch_slot(self) -> int:
@@ -82,19 +85,19 @@ class StepPlan:
 
     token_ids: np.ndarray  # [T] int32
     positions: np.ndarray  # [T] int32
-    segment_ids: np.ndarray  # [T] row of the token's sequence; padding: S (out of range)
+    segment_ids: np.ndarray  # [T] row of the token's sequence; padding: S_max (out of range)
     slot_mapping: np.ndarray  # [T] cache slot each new K/V goes to; padding: the scratch slot
-    block_tables: np.ndarray  # [S, max_pages] int32
-    kv_lens: np.ndarray  # [S] cached tokens per sequence after this step
-    logits_index: np.ndarray  # [S] last token of each sequence
-    sampling: dict[str, np.ndarray]  # SamplingMetadata's fields; penalty arrays None when unused
+    block_tables: np.ndarray  # [S_max, max_pages] int32 (S_max = KVLayout.max_num_seqs)
+    kv_lens: np.ndarray  # [S_max] cached tokens per sequence after this step
+    logits_index: np.ndarray  # [S_max] last token of each sequence
+    sampling: dict[str, np.ndarray]  # SamplingMetadata's fields, [S] rows; penalty arrays None when unused
     # (request id, row, top logprobs asked or None) for every row that samples a token: leader only.
     sample_rows: list[tuple[str, int, int | None]] = dataclasses.field(default_factory=list)
     num_real_tokens: int = 0  # tokens before padding
 
     @property
     def bucket(self) -> tuple[int, int]:
-        return len(self.token_ids), len(self.kv_lens)
+        return len(self.token_ids), len(self.sampling["temperature"])
 
 
 @dataclasses.dataclass
@@ -131,11 +134,11 @@ def padding_plan(num_tokens: int, num_seqs: int, kv: KVLayout, vocab_size: int,
     return StepPlan(
         token_ids=np.zeros(num_tokens, np.int32),
         positions=np.zeros(num_tokens, np.int32),
-        segment_ids=np.full(num_tokens, num_seqs, np.int32),
+        segment_ids=np.full(num_tokens, kv.max_num_seqs, np.int32),
         slot_mapping=np.full(num_tokens, kv.scratch_slot, np.int32),
-        block_tables=np.zeros((num_seqs, kv.max_pages_per_seq), np.int32),
-        kv_lens=np.zeros(num_seqs, np.int32),
-        logits_index=np.zeros(num_seqs, np.int32),
+        block_tables=np.zeros((kv.max_num_seqs, kv.max_pages_per_seq), np.int32),
+        kv_lens=np.zeros(kv.max_num_seqs, np.int32),
+        logits_index=np.zeros(kv.max_num_seqs, np.int32),
         sampling=sampling_arrays(list(requests), num_seqs, vocab_size),
     )
 

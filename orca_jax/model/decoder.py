@@ -121,12 +121,16 @@ class DecoderStage(nnx.Module):
         attention: PagedAttention,
     ) -> tuple[Float[Array, "T D"] | Float[Array, "S V"], list[KVCache]]:
         """`inputs`: token ids for the first stage, the previous stage's activations otherwise.
-        Returns activations [T, D] for the next stage, or the last stage's logits [S, V]."""
+        Returns activations [T, D] for the next stage, or, from the last stage, the activations of
+        the tokens named by `logits_index` [S, D], for `logits`."""
         x = embed_tokens(self.embed, self.pos_embed, inputs, meta.positions) if self.first else inputs
         x, kv_caches = run_layers(self.layers, x, meta, kv_caches, attention)
-        if self.last:
-            x = project_logits(self.final_norm, self.head, x, logits_index)
-        return x, kv_caches
+        return (x[logits_index] if self.last else x), kv_caches
+
+    def logits(self, x: Float[Array, "S D"]) -> Float[Array, "S V"]:
+        """The last stage's final norm and LM head, apart from the layers: the runner compiles this
+        per sequence bucket and the layers per token bucket only."""
+        return project_logits(self.final_norm, self.head, x, None)
 
 
 def embed_tokens(embed: Embed, pos_embed: Embed | None, token_ids: Int[Array, " T"],

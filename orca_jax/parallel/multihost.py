@@ -199,6 +199,7 @@ def follow_leader(config, dist: DistributedConfig) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     runner, _, _ = build_runner(config, BuildOptions(show_progress=False), distributed=dist)
+    runner.compile_programs()  # its own stages' programs; the leader's warm-up step then arrives as a plan
     return follow(runner, dist)
 
 

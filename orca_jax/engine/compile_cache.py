@@ -1,0 +1,175 @@
+"""Compiled step programs kept between runs, so a second start-up loads instead of compiling.
+
+Every on-disk cache lives under one directory, `$ORCA_JAX_COMPILATION_CACHE` (default `.jax_cache/` in
+the repository), so one setting moves or clears them all:
+
+    <root>/              JAX's persistent compilation cache (for programs the store cannot keep)
+    <root>/executables/  serialized step programs: loaded without tracing, lowering or compiling
+    <root>/native/       the native CPU attention library (pallas_kernels.native)
+
+An executable file holds a header naming everything its program depends on (jax and jaxlib versions,
+XLA flags, the CPU, a hash of this package's source, the model config, the shapes and placements of its
+arguments) and a checksum of the payload. It is loaded only when the header equals what this program
+would compile now and the checksum matches: a stale entry is ignored and rebuilt, a corrupt one is
+ignored with a warning; neither is ever executed.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jaxlib
+from jax.experimental import serialize_executable
+
+from orca_jax.config import REPO_ROOT
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"orca_jax executable v1\n"
+SOURCE_DIRS = ("orca_jax", "pallas_kernels")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("ORCA_JAX_COMPILATION_CACHE") or REPO_ROOT / ".jax_cache")
+
+
+def enable_compilation_cache() -> None:
+    """JAX's persistent compilation cache under the cache root; an explicit jax setting wins."""
+    if jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(cache_root()))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+@functools.cache
+def source_hash() -> str:
+    """Hash of the package's Python and C++ sources: any edit invalidates every stored program."""
+    digest = hashlib.sha256()
+    for folder in SOURCE_DIRS:
+        for path in sorted((REPO_ROOT / folder).rglob("*")):
+            if path.suffix in (".py", ".cc", ".h") and path.is_file():
+                digest.update(str(path.relative_to(REPO_ROOT)).encode())
+                digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.cache
+def _machine() -> dict[str, str]:
+    """What an executable compiled for this host's CPU depends on: XLA:CPU emits code for the
+    instruction sets it finds, so a program built on an AMX Xeon must not run on a Zen 4."""
+    cpu = ""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+    except OSError:
+        cpu = platform.processor()
+    return {"machine": platform.machine(), "cpu": hashlib.sha256(cpu.encode()).hexdigest()[:16]}
+
+
+def _describe_args(args) -> list[str]:
+    def one(leaf) -> str:
+        sharding = getattr(leaf, "sharding", None)
+        return f"{leaf.shape} {leaf.dtype} {sharding}"
+
+    return [one(leaf) for leaf in jax.tree.leaves(args)]
+
+
+def _compile_afresh(lowered):
+    """Compiles without JAX's persistent cache: with jax 0.10.2 on CPU, an executable that came from
+    that cache serializes without its machine code (loading it fails with "Function ... not found")."""
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        return lowered.compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+
+
+class ExecutableStore:
+    """Serialized compiled programs in one folder (None: keep nothing, compile every time)."""
+
+    def __init__(self, directory: Path | None):
+        self.directory = directory
+        self.loaded = 0  # programs this store loaded instead of compiling (start-up reports it)
+
+    @classmethod
+    def default(cls) -> "ExecutableStore":
+        return cls(cache_root() / "executables")
+
+    def header(self, name: str, args, depends_on: str) -> str:
+        """Everything the program `name` compiled for `args` depends on, as canonical text."""
+        return json.dumps({
+            "name": name, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "backend": jax.default_backend(),
+            "processes": [jax.process_index(), jax.process_count()], **_machine(), "source": source_hash(),
+            "depends_on": depends_on, "args": _describe_args(args),
+        }, sort_keys=True)
+
+    def _path(self, name: str, header: str) -> Path:
+        return self.directory / f"{name}-{hashlib.sha256(header.encode()).hexdigest()[:24]}.exe"
+
+    def load_or_compile(self, name: str, args, depends_on: str, lower: Callable[[], Any], out_tree, devices):
+        """The compiled program for `args`: from the store when a matching file is there, else
+        `lower().compile()`, then stored. `out_tree`: the structure of the program's outputs (the
+        store never unpickles pytree structures: they come from the live program); `devices`: the
+        ones it runs on, in the order of its mesh."""
+        header = self.header(name, args, depends_on)
+        in_tree = jax.tree.structure((tuple(args), {}))
+        if self.directory is not None:
+            compiled = self._load(self._path(name, header), header, in_tree, out_tree, devices)
+            if compiled is not None:
+                self.loaded += 1
+                return compiled
+        if self.directory is None:
+            return lower().compile()
+        compiled = _compile_afresh(lower())
+        self._save(self._path(name, header), header, compiled)
+        return compiled
+
+    def _load(self, path: Path, header: str, in_tree, out_tree, devices):
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            if not data.startswith(MAGIC):
+                raise ValueError("not an orca_jax executable")
+            stored_header, checksum, payload = data[len(MAGIC):].split(b"\n", 2)
+            if hashlib.sha256(payload).hexdigest() != checksum.decode():
+                raise ValueError("checksum mismatch (truncated or altered)")
+        except ValueError as error:
+            log.warning("ignoring compiled program %s: %s; compiling it again", path, error)
+            return None
+        if stored_header.decode() != header:
+            log.info("ignoring compiled program %s: built for other settings", path)
+            return None
+        try:
+            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
+        except Exception as error:  # an intact file this jax cannot load: compile instead
+            log.warning("cannot load compiled program %s (%s); compiling it again", path, error)
+            return None
+
+    def _save(self, path: Path, header: str, compiled) -> None:
+        try:
+            payload, _, _ = serialize_executable.serialize(compiled)
+        except (ValueError, NotImplementedError) as error:
+            log.info("compiled program %s cannot be stored: %s", path.name, error)
+            return
+        data = MAGIC + header.encode() + b"\n" + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Written aside then renamed: a reader (another process starting) never sees half a file.
+            with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as tmp:
+                tmp.write(data)
+            os.replace(tmp.name, path)
+        except OSError as error:
+            log.warning("cannot store compiled program in %s: %s", path.parent, error)

@@ -1,0 +1,93 @@
+"""Compiled programs stored between runs: loaded only when everything they depend on matches."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from orca_jax import LLM, SamplingParams
+from orca_jax.config import REPO_ROOT
+from orca_jax.engine import compile_cache
+from orca_jax.engine.compile_cache import ExecutableStore
+
+DEVICE = jax.devices()[0]
+ARGS = (jax.ShapeDtypeStruct((4,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(DEVICE)),)
+
+
+class Program:
+    """A small jitted program; counts how often the store had to compile it."""
+
+    def __init__(self, scale: float):
+        self.scale, self.compiles = scale, 0
+
+    def get(self, store: ExecutableStore, depends_on: str = "config A"):
+        def lower():
+            self.compiles += 1
+            return jax.jit(lambda x: x * self.scale + 1).lower(*ARGS)
+
+        return store.load_or_compile("double", ARGS, depends_on, lower, jax.tree.structure(0), [DEVICE])
+
+
+def run(compiled) -> np.ndarray:
+    return np.asarray(compiled(jnp.arange(4, dtype=jnp.float32)))
+
+
+def test_a_stored_program_is_loaded_and_gives_the_same_results(tmp_path):
+    first = Program(2.0)
+    want = run(first.get(ExecutableStore(tmp_path)))
+    store = ExecutableStore(tmp_path)
+    second = Program(2.0)
+    np.testing.assert_array_equal(run(second.get(store)), want)
+    assert (first.compiles, second.compiles, store.loaded) == (1, 0, 1)
+
+
+def test_a_stale_entry_is_ignored_and_rebuilt(tmp_path, monkeypatch):
+    Program(2.0).get(ExecutableStore(tmp_path), "config A")
+    other_config = Program(3.0)  # what the other config compiles to
+    np.testing.assert_array_equal(run(other_config.get(ExecutableStore(tmp_path), "config B")), [1, 4, 7, 10])
+    assert other_config.compiles == 1
+    monkeypatch.setattr(compile_cache, "source_hash", lambda: "edited source")
+    edited = Program(5.0)
+    np.testing.assert_array_equal(run(edited.get(ExecutableStore(tmp_path), "config A")), [1, 6, 11, 16])
+    assert edited.compiles == 1
+    assert len(list(tmp_path.glob("*.exe"))) == 3  # each setting keeps its own entry
+
+
+@pytest.mark.parametrize("damage", ["flip a payload byte", "truncate", "foreign header"])
+def test_a_damaged_file_is_ignored_with_a_warning_and_never_executed(tmp_path, caplog, damage):
+    Program(2.0).get(ExecutableStore(tmp_path))
+    [path] = tmp_path.glob("*.exe")
+    data = bytearray(path.read_bytes())
+    if damage == "flip a payload byte":
+        data[-100] ^= 0xFF
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    else:  # an intact file whose header names other settings: it must not be trusted either
+        header_end = data.index(b"\n", len(compile_cache.MAGIC))
+        data[len(compile_cache.MAGIC):header_end] = b'{"name": "something else"}'
+    path.write_bytes(bytes(data))
+    fresh = Program(7.0)  # a different program: running the damaged file would give 2x+1
+    with caplog.at_level(logging.INFO, logger="orca_jax.engine.compile_cache"):
+        np.testing.assert_array_equal(run(fresh.get(ExecutableStore(tmp_path))), [1, 8, 15, 22])
+    assert fresh.compiles == 1
+    assert str(path) in caplog.text
+    if damage != "foreign header":
+        assert "WARNING" in caplog.text and ("checksum" in caplog.text or "not an orca_jax" in caplog.text)
+
+
+def test_a_second_engine_loads_every_program_instead_of_compiling(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORCA_JAX_COMPILATION_CACHE", str(tmp_path))
+    settings = dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=[16, 32], seq_buckets=[2, 4],
+                    show_progress=False)
+    prompts = ["3 5", "60 61", "0 4"]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    first = LLM(REPO_ROOT / "checkpoints" / "tiny", **settings)
+    want = [o.outputs[0].token_ids for o in first.generate(prompts, params, use_tqdm=False)]
+    assert first.runner.executable_store.loaded == 0
+    assert len(list((tmp_path / "executables").glob("*.exe"))) == 4  # 2 token + 2 sequence buckets
+    second = LLM(REPO_ROOT / "checkpoints" / "tiny", **settings)
+    assert second.runner.executable_store.loaded == 4
+    assert [o.outputs[0].token_ids for o in second.generate(prompts, params, use_tqdm=False)] == want
+    assert second.num_compilations_after_warmup == 0
