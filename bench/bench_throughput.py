@@ -75,29 +75,50 @@ def decode_flops(llm: LLM, num_seqs: int, context: int) -> dict:
     config = runner.config
     pages = -(-context // runner.page_size)
     assert num_seqs * pages <= runner.num_pages
-    tables = np.zeros((num_seqs, runner.max_pages_per_seq), np.int32)
-    tables[:, :pages] = np.arange(num_seqs * pages).reshape(num_seqs, pages)
-    positions = np.full(num_seqs, context - 1, np.int32)
-    plan = dataclasses.replace(
-        padding_plan(num_seqs, num_seqs, runner.kv_layout, config.vocab_size),
-        token_ids=np.arange(num_seqs, dtype=np.int32), positions=positions,
-        segment_ids=np.arange(num_seqs, dtype=np.int32),
-        slot_mapping=(tables[:, (context - 1) // runner.page_size] * runner.page_size
-                      + (context - 1) % runner.page_size),
-        block_tables=tables, kv_lens=np.full(num_seqs, context, np.int32),
-        logits_index=np.arange(num_seqs, dtype=np.int32))
+    plan = padding_plan(num_seqs, num_seqs, runner.kv_layout, config.vocab_size)
+    tables = plan.block_tables  # [max_num_seqs, max_pages]: the first num_seqs rows are used
+    tables[:num_seqs, :pages] = np.arange(num_seqs * pages).reshape(num_seqs, pages)
+    plan.token_ids[:] = np.arange(num_seqs)
+    plan.positions[:] = context - 1
+    plan.segment_ids[:] = np.arange(num_seqs)
+    plan.slot_mapping[:] = (tables[:num_seqs, (context - 1) // runner.page_size] * runner.page_size
+                            + (context - 1) % runner.page_size)
+    plan.kv_lens[:num_seqs] = context
+    plan.logits_index[:num_seqs] = np.arange(num_seqs)
     seconds = timed(lambda: jax.device_get(runner.run_plan(plan)))
     step_flop = 2 * config.num_params() * num_seqs
     big = jnp.ones((1024, 1024), jnp.float32)
     matmul_s = timed(jax.jit(lambda a: a @ a), big, repeat=20)
     x, w = jnp.ones((num_seqs, config.d_model)), jnp.ones((config.d_model, config.d_ff))
     same_shape_s = timed(jax.jit(lambda x, w: x @ w), x, w, repeat=50)
+    kv_bytes = (2 * config.n_layers * num_seqs * (context - 1) * config.n_kv_heads * config.head_dim
+                * jnp.dtype(config.dtype).itemsize)  # the cached context the step reads: K and V, every layer
     return {
-        "num_seqs": num_seqs, "context": context, "step_ms": 1000 * seconds,
+        "num_seqs": num_seqs, "context": context, "step_ms": 1000 * seconds, "kv_read_bytes": int(kv_bytes),
         "step_gflops": step_flop / seconds / 1e9,
         "matmul_1024_gflops": 2 * 1024 ** 3 / matmul_s / 1e9,
         "matmul_same_m_gflops": 2 * num_seqs * config.d_model * config.d_ff / same_shape_s / 1e9,
     }
+
+
+def copy_bandwidth() -> float:
+    """Bytes moved per second (read + write) by numpy copying a 1 GiB float32 array: the machine's
+    memory speed, against which the attention's read of cached K/V is judged."""
+    source = np.ones(1 << 28, np.float32)
+    target = np.empty_like(source)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        np.copyto(target, source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.nbytes / best
+
+
+def cached_context_cost(short: dict, long: dict) -> dict:
+    extra_s = (long["step_ms"] - short["step_ms"]) / 1000
+    return {"ratio": long["step_ms"] / short["step_ms"], "extra_ms": 1000 * extra_s,
+            "kv_read_bytes": long["kv_read_bytes"], "effective_gb_s": long["kv_read_bytes"] / max(extra_s, 1e-9) / 1e9,
+            "copy_gb_s": copy_bandwidth() / 1e9}
 
 
 def main() -> None:
@@ -127,6 +148,11 @@ def main() -> None:
         print(f"decode step, {d['num_seqs']} seqs x {d['context']} context: {d['step_ms']:.0f} ms, "
               f"{d['step_gflops']:.0f} GFLOP/s; f32 matmul 1024^3 {d['matmul_1024_gflops']:.0f}, "
               f"same-M {d['matmul_same_m_gflops']:.0f} GFLOP/s")
+    results["cached_context"] = cached_context_cost(*results["decode"])
+    c = results["cached_context"]
+    print(f"cached context: the 256-token step costs {c['ratio']:.2f}x the 1-token one; its extra "
+          f"{c['extra_ms']:.1f} ms read {c['kv_read_bytes'] / 1e6:.0f} MB of K/V = {c['effective_gb_s']:.1f} GB/s "
+          f"(this machine copies {c['copy_gb_s']:.1f} GB/s: read + write of a 1 GiB array)")
     results["compilations_after_warmup"] = llm.num_compilations_after_warmup
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
