@@ -152,23 +152,24 @@ def build_workload(tokenizer, spec: WorkloadSpec) -> list[WorkloadRequest]:
     return requests
 
 
-def mixed_workload(tokenizer, num_requests: int = 64, prompt_len: tuple[int, int] = (100, 300),
-                   output_len: tuple[int, int] = (8, 256), seed: int = 0) -> list[WorkloadRequest]:
-    """Uniform prompt and output lengths, all arriving at once (the engine issue's benchmark)."""
-    return build_workload(tokenizer, WorkloadSpec(num_requests, "uniform", prompt_len, "uniform", output_len,
-                                                  seed=seed))
+def mixed_workload(tokenizer, num_requests: int = 64, seed: int = 0) -> list[WorkloadRequest]:
+    """bench_throughput.py's workload (the engine issue's benchmark): named_spec's `throughput` kind."""
+    return build_workload(tokenizer, named_spec("throughput", num_requests, seed))
 
 
 # ---- named workloads of the scheduling bench -------------------------------------------------
 
 def named_spec(kind: str, num_requests: int, seed: int = 0, **overrides) -> WorkloadSpec:
-    """The bench's workload kinds, all arriving at once, prompts uniform in [32, 192]:
+    """The benches' workload kinds, all arriving at once, prompts uniform in [32, 192]:
     heavy-tailed outputs (`zipf`), uniform outputs (`uniform`), or every request alike (`equal`:
-    prompt 112 and 64 outputs, near the other two's mean work per request)."""
+    prompt 112 and 64 outputs, near the other two's mean work per request); and bench_throughput.py's
+    (`throughput`: prompts uniform in [100, 300], outputs uniform in [8, 256]), so a server can be
+    driven with the same requests (`bench serving --workload throughput --num-requests 64`)."""
     kinds = {
         "zipf": dict(output_dist="zipf", output_len=(8, 128)),
         "uniform": dict(output_dist="uniform", output_len=(8, 96)),
         "equal": dict(prompt_dist="equal", prompt_len=(112, 112), output_dist="equal", output_len=(64, 64)),
+        "throughput": dict(prompt_len=(100, 300), output_dist="uniform", output_len=(8, 256)),
     }
     if kind not in kinds:
         raise ValueError(f"workload kind {kind!r}; choose one of {sorted(kinds)}")

@@ -9,6 +9,7 @@ from workloads import (
     WorkloadSpec,
     build_workload,
     load_jsonl,
+    mixed_workload,
     named_spec,
     sample_arrivals,
     sample_lengths,
@@ -83,6 +84,13 @@ def test_jsonl_round_trip(tmp_path):
 
 def test_named_kinds_and_bad_specs():
     assert set(sample_lengths(named_spec("equal", 8))) == {(112, 64)}
+    # `throughput` is bench_throughput.py's workload, so a server bench can replay the same requests:
+    # 64 requests, 13136 prompt and 6670 output tokens (the figures compared with llama-server).
+    lengths = sample_lengths(named_spec("throughput", 64))
+    assert all(100 <= p <= 300 and 8 <= o <= 256 for p, o in lengths)
+    assert (sum(p for p, _ in lengths), sum(o for _, o in lengths)) == (13136, 6670)
+    tokenizer = ByteTokenizer()
+    assert mixed_workload(tokenizer, 4) == build_workload(tokenizer, named_spec("throughput", 4))
     with pytest.raises(ValueError, match="choose one of"):
         named_spec("bursty", 8)
     with pytest.raises(ValueError, match="lo <= hi"):
