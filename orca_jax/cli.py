@@ -51,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--enable-request-log", action="store_true",
                        help="log one line per finished request: id, endpoint, status, token counts, latency "
                             "(never the prompt or the output)")
+    serve.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template file replacing the model's own (as vLLM's flag)")
+    serve.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
+                       help="the model's tool-call format: how tools are prompted (when the chat template does "
+                            "not render them), forced and parsed from the output (default: hermes, "
+                            "<tool_call>{json}</tool_call>)")
     add_engine_args(serve)
 
     plan = commands.add_parser("plan", help="check that a model fits a tp x pp layout; per-device memory and KV pages")
@@ -294,11 +300,19 @@ def _serve(args: argparse.Namespace) -> int:
         raise CheckpointError(missing_checkpoint_message(config.model, checkpoint))
     if dist is not None and not dist.is_leader:
         return run_process(dist, lambda: follow_leader(config, dist))
+    chat_template = None
+    if args.chat_template is not None:
+        try:
+            chat_template = Path(args.chat_template).read_text()
+        except OSError as error:
+            print(f"error: --chat-template: cannot read {args.chat_template}: {error.strerror}", file=sys.stderr)
+            return 2
     settings = ServerSettings(
         model_name=args.served_model_name or config.model,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes,
-        enable_request_log=args.enable_request_log)
+        enable_request_log=args.enable_request_log, chat_template=chat_template,
+        tool_call_parser=args.tool_call_parser)
 
     built = []  # the LLM, once the server's warm-up thread has made it
 
