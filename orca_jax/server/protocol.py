@@ -28,7 +28,7 @@ COMMON_HONOURED = {"model", "max_tokens", "max_completion_tokens", "temperature"
 
 COMPLETION_HONOURED = COMMON_HONOURED | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 COMPLETION_ACCEPTED = {"user", "metadata"}
-COMPLETION_UNSUPPORTED: set[str] = set()
+COMPLETION_UNSUPPORTED = {"prompt_logprobs"}  # vLLM's; needs logits at every prompt position (not computed)
 
 CHAT_HONOURED = COMMON_HONOURED | {"messages", "logprobs", "top_logprobs", "modalities", "tools", "tool_choice",
                                    "parallel_tool_calls", "function_call", "store",

@@ -15,6 +15,7 @@ BAD_COMPLETIONS = [
     ("non-UTF-8", b'{"prompt": "\xff\xfe"}', 400, None, "UTF-8"),
     ("unknown field", {**GOOD, "max_token": 3}, 400, "max_token", "unknown field"),
     ("unsupported suffix", {**GOOD, "suffix": "end"}, 400, "suffix", "not supported"),
+    ("prompt_logprobs", {**GOOD, "prompt_logprobs": 1}, 400, "prompt_logprobs", "not supported"),
     ("logit_bias above 100", {**GOOD, "logit_bias": {"5": 101}}, 400, "logit_bias", "[-100, 100]"),
     ("logit_bias key not a token id", {**GOOD, "logit_bias": {"five": 1}}, 400, "logit_bias", "token ids"),
     ("logit_bias value not a number", {**GOOD, "logit_bias": {"5": "x"}}, 400, "logit_bias", "numbers"),

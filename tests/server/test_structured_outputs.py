@@ -113,6 +113,7 @@ def test_json_schemas_validate(smollm2_server):
     for schema, (text, finish_reason) in zip(SCHEMAS, results):
         assert finish_reason == "stop", (schema, text)  # ended by the grammar, not cut by max_tokens
         jsonschema.validate(json.loads(text), schema)
+    assert smollm2_server.engine.runner.num_compilations_after_warmup == 0  # masks are arrays, never shapes
 
 
 def test_json_object_and_sampled_outputs_parse(smollm2_server):
