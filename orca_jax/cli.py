@@ -274,6 +274,21 @@ def _merge_model_tag(args: argparse.Namespace) -> None:
     args.model = args.model_tag
 
 
+def _read_chat_template(path: str) -> str:
+    """The --chat-template file, checked as Jinja before anything loads (a ValueError: one error line)."""
+    from orca_jax.tokenizer import check_chat_template
+
+    try:
+        source = Path(path).read_text()
+    except OSError as error:
+        raise ValueError(f"--chat-template: cannot read {path}: {error.strerror}") from error
+    try:
+        check_chat_template(source)
+    except ValueError as error:
+        raise ValueError(f"--chat-template {path}: {error}") from error
+    return source
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
@@ -285,6 +300,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         force=True)
     logging.getLogger("orca_jax").setLevel(logging.INFO)
+    chat_template = _read_chat_template(args.chat_template) if args.chat_template is not None else None
     config, dist = engine_config(args), distributed_config(args)
     # A missing checkpoint fails here, before the port opens, with the command that makes it. Several
     # processes do not pull (they would race on one folder): the checkpoint must be there.
@@ -300,13 +316,6 @@ def _serve(args: argparse.Namespace) -> int:
         raise CheckpointError(missing_checkpoint_message(config.model, checkpoint))
     if dist is not None and not dist.is_leader:
         return run_process(dist, lambda: follow_leader(config, dist))
-    chat_template = None
-    if args.chat_template is not None:
-        try:
-            chat_template = Path(args.chat_template).read_text()
-        except OSError as error:
-            print(f"error: --chat-template: cannot read {args.chat_template}: {error.strerror}", file=sys.stderr)
-            return 2
     settings = ServerSettings(
         model_name=args.served_model_name or config.model,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

@@ -111,6 +111,14 @@ class Tokenizer:
         )
 
 
+def check_chat_template(source: str) -> None:
+    """ValueError naming the line of a Jinja syntax error."""
+    try:
+        _compile_template(source)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"not a valid Jinja template: {error.message} (line {error.lineno})") from error
+
+
 def _compile_template(source: str) -> jinja2.Template:
     # The same environment settings transformers uses for chat templates.
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)

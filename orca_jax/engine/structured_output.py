@@ -98,11 +98,11 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(lltokenizer, grammar, log_level=0)  # releases the GIL while compiling
         if matcher.is_error():
             raise GrammarError(f"{describe(spec)} cannot be compiled: {matcher.get_error().strip()}")
-        with self._lock:
+        with self._lock:  # copies are made under the lock: a cached matcher is shared by both threads
             self._cache[grammar] = matcher
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return matcher.deep_copy()
+            return matcher.deep_copy()
 
     def grammar(self, spec: StructuredOutputsParams) -> Grammar:
         return Grammar(self.compile(spec))

@@ -165,7 +165,8 @@ async def tokenize(request: web.Request) -> web.Response:
     engine = state.require_engine()
     _check_model(state, req.model)
     if req.messages is not None:
-        text = _render_chat(state, engine, req.messages, req.add_generation_prompt)
+        text = _render_chat(state, engine, req.messages, req.add_generation_prompt, req.tools,
+                            req.chat_template_kwargs)
     else:
         text = req.prompt
     _, ids = _tokenize(engine, text, add_bos=req.add_special_tokens)

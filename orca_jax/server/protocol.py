@@ -37,7 +37,8 @@ CHAT_ACCEPTED = {"user", "metadata", "service_tier", "prompt_cache_key", "safety
 CHAT_UNSUPPORTED = {"functions", "audio", "prediction", "web_search_options", "reasoning_effort", "verbosity"}
 
 # vLLM's tokenizer endpoints: a text prompt, or chat messages rendered through the chat template.
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "tools",
+                   "chat_template_kwargs"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
 TEMPLATE_VARIABLES = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}  # set by the server
@@ -95,6 +96,8 @@ class TokenizeRequest:
     messages: list[dict] | None
     add_special_tokens: bool | None  # None: as the generation endpoints tokenize (the tokenizer's BOS rule)
     add_generation_prompt: bool
+    tools: list[dict] | None = None  # rendered into the prompt as chat renders them
+    chat_template_kwargs: dict | None = None
 
 
 @dataclass
@@ -142,13 +145,9 @@ def parse_chat(body: Any) -> ChatRequest:
     stream, include_usage, continuous_usage = _stream(body)
     tools = _tools(body)
     tool_choice = _tool_choice(body, tools)
-    kwargs = _get(body, "chat_template_kwargs", dict, {})
-    reserved = sorted(set(kwargs) & TEMPLATE_VARIABLES)
-    if reserved:
-        raise invalid(f"chat_template_kwargs may not set {reserved}: the server sets them from the request",
-                      "chat_template_kwargs")
     return ChatRequest(_model(body), _messages(body), params, max_tokens_given, stream, include_usage,
-                       continuous_usage, tools, tool_choice, _get(body, "parallel_tool_calls", bool, True), kwargs)
+                       continuous_usage, tools, tool_choice, _get(body, "parallel_tool_calls", bool, True),
+                       _template_kwargs(body))
 
 
 def parse_tokenize(body: Any) -> TokenizeRequest:
@@ -159,12 +158,13 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
         raise invalid("give exactly one of 'prompt' (a string) and 'messages' (chat messages)",
                       None if has_prompt else "prompt")
     if has_prompt:
-        if body.get("add_generation_prompt") is not None:
-            raise invalid("'add_generation_prompt' applies to 'messages' only", "add_generation_prompt")
+        for field in ("add_generation_prompt", "tools", "chat_template_kwargs"):
+            if body.get(field) is not None:
+                raise invalid(f"'{field}' applies to 'messages' only", field)
         prompt = _get(body, "prompt", str)
         return TokenizeRequest(_model(body), prompt, None, _get(body, "add_special_tokens", bool), False)
     return TokenizeRequest(_model(body), None, _messages(body), _get(body, "add_special_tokens", bool),
-                           _get(body, "add_generation_prompt", bool, True))
+                           _get(body, "add_generation_prompt", bool, True), _tools(body), _template_kwargs(body))
 
 
 def parse_detokenize(body: Any) -> DetokenizeRequest:
@@ -344,6 +344,15 @@ def _structured_outputs(body: dict) -> StructuredOutputsParams | None:
         return StructuredOutputsParams(**{kind: value})
     except (TypeError, ValueError) as error:
         raise invalid(f"'{field}': {error}", field.split(".")[0]) from error
+
+
+def _template_kwargs(body: dict) -> dict:
+    kwargs = _get(body, "chat_template_kwargs", dict, {})
+    reserved = sorted(set(kwargs) & TEMPLATE_VARIABLES)
+    if reserved:
+        raise invalid(f"chat_template_kwargs may not set {reserved}: the server sets them from the request",
+                      "chat_template_kwargs")
+    return kwargs
 
 
 def _tools(body: dict) -> list[dict] | None:

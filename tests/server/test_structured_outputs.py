@@ -8,6 +8,7 @@ on device. Requests run concurrently so they share batches, as in serving.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 
 import jsonschema
@@ -264,13 +265,31 @@ def test_multi_turn_with_a_tool_result(client, smollm2_server):
     second = client.chat.completions.create(model="smollm2", messages=conversation, tools=[WEATHER], max_tokens=24,
                                             temperature=0, tool_choice="none")
     assert second.choices[0].message.content and not second.choices[0].message.tool_calls
-    # The call and its result are in the prompt the model saw (Hermes form, SmolLM2's template has no tools).
+    # The call and its result are in the prompt the model saw (Hermes form, SmolLM2's template has no tools),
+    # and /tokenize with the same tools counts what chat counted.
     tokenizer = smollm2_server.engine.tokenizer
-    before = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=1,
-                                            temperature=0, tool_choice="none")
-    added = second.usage.prompt_tokens - before.usage.prompt_tokens
-    expected = tokenizer.encode("<|im_start|>assistant\n<tool_call>\n" + json.dumps(
-        {"name": "get_weather", "arguments": json.loads(call.function.arguments)}) +
-        "\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n22 degrees and sunny\n</tool_response>"
-        "<|im_end|>\n")
-    assert added == len(expected)
+    tokens = post(smollm2_server, "/tokenize", {"messages": conversation, "tools": [WEATHER]})["tokens"]
+    assert len(tokens) == second.usage.prompt_tokens
+    assert tokenizer.decode(tokens).endswith(
+        "<|im_start|>assistant\n<tool_call>\n" + json.dumps({"name": "get_weather", "arguments": json.loads(
+            call.function.arguments)}) + "\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n22 degrees "
+        "and sunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert "<tools>\n" + json.dumps(WEATHER) + "\n</tools>" in tokenizer.decode(tokens)
+
+
+def test_chat_template_override_and_kwargs(smollm2_server):
+    """--chat-template (the server's setting) replaces the model's template; chat_template_kwargs reach it."""
+    state = smollm2_server.state
+    original = state.settings
+    state.settings = dataclasses.replace(original, chat_template="{% for m in messages %}{{ m.role }}: {{ m.content }}"
+                                                                 "\n{% endfor %}{{ tail | default('A:') }}")
+    try:
+        request = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                   "chat_template_kwargs": {"tail": "Bot says:"}}
+        usage = post(smollm2_server, "/v1/chat/completions", request)["usage"]
+        tokens = post(smollm2_server, "/tokenize", {"messages": request["messages"],
+                                                    "chat_template_kwargs": {"tail": "Bot says:"}})["tokens"]
+    finally:
+        state.settings = original
+    assert smollm2_server.engine.tokenizer.decode(tokens) == "user: Hi\nBot says:"
+    assert usage["prompt_tokens"] == len(tokens)
