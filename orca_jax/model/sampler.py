@@ -2,9 +2,10 @@
 
 Order (as vLLM): logit_bias -> penalties -> min_tokens stop suppression -> grammar bitmask ->
 temperature -> top-k -> top-p -> min-p -> draw. The bitmask comes last among the logit changes, so
-no bias can revive a token the grammar forbids. Randomness is keyed by (request seed, index of the token being generated), never by
-the batch row, so a request samples the same tokens whatever else shares its batch. Reported
-logprobs are those of the raw model distribution (before penalties and filters).
+no bias can revive a token the grammar forbids. Randomness is keyed by (request seed, index of the
+token being generated), never by the batch row, so a request samples the same tokens whatever else
+shares its batch. Reported logprobs are those of the raw model distribution (before penalties,
+bias, grammar and filters).
 """
 
 from __future__ import annotations

@@ -121,7 +121,8 @@ def forced_grammar(tools: list[dict], tool_choice: str | dict, parallel: bool) -
     schema = call_schema(tools[0]) if len(tools) == 1 else {"anyOf": [call_schema(t) for t in tools]}
     schema["x-guidance"] = JSON_OPTIONS
     more = ' ("\\n" call)*' if parallel else ""
-    return f"start: call{more}\ncall: {json.dumps(OPEN + NEWLINE)} %json {json.dumps(schema)} {json.dumps(NEWLINE + CLOSE)}\n"
+    call = f"{json.dumps(OPEN + NEWLINE)} %json {json.dumps(schema)} {json.dumps(NEWLINE + CLOSE)}"
+    return f"start: call{more}\ncall: {call}\n"
 
 
 class HermesParser:

@@ -83,8 +83,8 @@ def test_forced_grammars(compiler):
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris and Rome?"},
             {"role": "assistant", "content": "", "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-                {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+                {"id": f"c{i}", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(
+                    {"city": city})}} for i, city in ((1, "Paris"), (2, "Rome"))]},
             {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
             {"role": "tool", "tool_call_id": "c2", "content": "rain"}]
 
@@ -95,7 +95,8 @@ def test_hermes_prompt_for_templates_without_tools():
     assert rendered[0]["content"].startswith("Be brief.\n\n# Tools") and json.dumps(WEATHER) in rendered[0]["content"]
     assert rendered[2]["content"] == (render_call("get_weather", {"city": "Paris"}) + "\n"
                                       + render_call("get_weather", {"city": "Rome"}))
-    assert rendered[3]["content"] == "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n</tool_response>"
+    assert rendered[3]["content"] == ("<tool_response>\nsunny\n</tool_response>\n"
+                                      "<tool_response>\nrain\n</tool_response>")
     # Without tools in the request (a plain chat), messages pass unchanged.
     assert messages_for_template(MESSAGES[:2], None, native=False) == MESSAGES[:2]
 
@@ -108,4 +109,5 @@ def test_templates_that_render_tools_get_them(compiler):
                 "{% endfor %}")
     messages = messages_for_template(MESSAGES[1:4], [WEATHER], native=True)
     text = tokenizer.apply_chat_template(messages, tools=[WEATHER], template=template, greeting="hello")
-    assert text == "[get_weather]hello<user>Weather in Paris and Rome?<assistant>get_weather(Paris)get_weather(Rome)<tool>sunny"
+    assert text == ("[get_weather]hello<user>Weather in Paris and Rome?"
+                    "<assistant>get_weather(Paris)get_weather(Rome)<tool>sunny")
