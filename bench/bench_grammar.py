@@ -1,6 +1,6 @@
 """Grammar engines for structured outputs: llguidance against xgrammar on SmolLM2's tokenizer (49152 tokens).
 
-    python bench/bench_grammar.py                   # llguidance only (the engine's dependency)
+    orca-jax bench grammar                          # llguidance only (the engine's dependency)
     PYTHONPATH=/path/with/xgrammar python bench/bench_grammar.py   # both, where xgrammar imports
 
 For each JSON schema it measures, per engine: the schema's compile time (grammar plus token tables,
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from orca_jax.config import DEFAULT_MODEL
+from orca_jax.config import DEFAULT_MODEL, REPO_ROOT
 from orca_jax.tokenizer import Tokenizer
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -102,7 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=RESULTS / "grammar_new.json")
     args = parser.parse_args()
-    tokenizer = Tokenizer.load(Path("checkpoints") / DEFAULT_MODEL)
+    tokenizer = Tokenizer.load(REPO_ROOT / "checkpoints" / DEFAULT_MODEL)
     engines = {"llguidance": bench_llguidance, "xgrammar": bench_xgrammar}
     rows = []
     for engine, run in engines.items():
