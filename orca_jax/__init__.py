@@ -1,7 +1,7 @@
 """orca_jax: iteration-level scheduling and selective batching for LLM inference in JAX."""
 
 from orca_jax.outputs import CompletionOutput, Logprob, RequestOutput
-from orca_jax.sampling_params import SamplingParams
+from orca_jax.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name):
@@ -13,4 +13,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]

@@ -51,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--enable-request-log", action="store_true",
                        help="log one line per finished request: id, endpoint, status, token counts, latency "
                             "(never the prompt or the output)")
+    serve.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template file replacing the model's own (as vLLM's flag)")
+    serve.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
+                       help="the model's tool-call format: how tools are prompted (when the chat template does "
+                            "not render them), forced and parsed from the output (default: hermes, "
+                            "<tool_call>{json}</tool_call>)")
     add_engine_args(serve)
 
     plan = commands.add_parser("plan", help="check that a model fits a tp x pp layout; per-device memory and KV pages")
@@ -58,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = commands.add_parser("bench", help="run a benchmark of bench/ (pass its own flags after the name)")
     bench.add_argument("name", choices=BENCHMARKS, help="scheduling (offline, every policy), serving (load "
-                       "generator against servers), throughput, attention, parallel (tp x pp layouts)")
+                       "generator against servers), throughput, attention, parallel (tp x pp layouts), grammar "
+                       "(structured-output engines)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's flags; see --help after the name")
 
     args = parser.parse_args(argv)
@@ -106,7 +113,7 @@ def _pull_or_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ["scheduling", "serving", "throughput", "attention", "parallel"]
+BENCHMARKS = ["scheduling", "serving", "throughput", "attention", "parallel", "grammar"]
 
 
 def _bench(name: str, bench_args: list[str]) -> int:
@@ -268,6 +275,21 @@ def _merge_model_tag(args: argparse.Namespace) -> None:
     args.model = args.model_tag
 
 
+def _read_chat_template(path: str) -> str:
+    """The --chat-template file, checked as Jinja before anything loads (a ValueError: one error line)."""
+    from orca_jax.tokenizer import check_chat_template
+
+    try:
+        source = Path(path).read_text()
+    except OSError as error:
+        raise ValueError(f"--chat-template: cannot read {path}: {error.strerror}") from error
+    try:
+        check_chat_template(source)
+    except ValueError as error:
+        raise ValueError(f"--chat-template {path}: {error}") from error
+    return source
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
@@ -279,6 +301,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         force=True)
     logging.getLogger("orca_jax").setLevel(logging.INFO)
+    chat_template = _read_chat_template(args.chat_template) if args.chat_template is not None else None
     config, dist = engine_config(args), distributed_config(args)
     # A missing checkpoint fails here, before the port opens, with the command that makes it. Several
     # processes do not pull (they would race on one folder): the checkpoint must be there.
@@ -298,7 +321,8 @@ def _serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name or config.model,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes,
-        enable_request_log=args.enable_request_log)
+        enable_request_log=args.enable_request_log, chat_template=chat_template,
+        tool_call_parser=args.tool_call_parser)
 
     built = []  # the LLM, once the server's warm-up thread has made it
 

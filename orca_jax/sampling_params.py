@@ -11,6 +11,39 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # the runner always computes this many top logprobs; a request may ask for fewer
 MAX_STOP_IDS = 16  # EOS + stop_token_ids that can be suppressed on device while min_tokens is not reached
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit): a fixed [S, 300] array on device
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, +100 makes it the only likely choice
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's StructuredOutputsParams): exactly one of the fields.
+
+    Compiled by the engine (engine/structured_output.py) into a grammar whose token bitmask masks
+    the logits on device at every step; the request stops when the grammar is complete."""
+
+    json: dict | str | None = None  # a JSON schema (as an object or its text)
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # a context-free grammar: Lark (llguidance's dialect) or GBNF
+    json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured outputs take exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured outputs json must be a JSON schema (an object), got {self.json!r}")
+        if self.choice is not None and not (isinstance(self.choice, list) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured outputs choice must be a non-empty list of non-empty strings, "
+                             f"got {self.choice!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured outputs {name} must be a non-empty string, got {value!r}")
 
 
 @dataclass
@@ -32,6 +65,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled token)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +96,21 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.logit_bias is not None:
+            self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        """Ids must be integers (the vocabulary bound is the engine's to check); values in range."""
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are supported")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if not isinstance(bias, (int, float)) or isinstance(bias, bool) \
+                    or not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100]; token {token} has {bias!r}")
 
     def _check_int(self, name: str, low: int) -> None:
         value = getattr(self, name)

@@ -58,21 +58,30 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """Renders `messages` ([{"role": ..., "content": ...}]) into prompt text."""
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, *,
+                            tools: Sequence[dict] | None = None, template: str | None = None, **kwargs) -> str:
+        """Renders `messages` ([{"role": ..., "content": ...}], plus any keys the template reads, such as
+        tool_calls) into prompt text. `template` overrides the tokenizer's own; `tools` and `kwargs`
+        are template variables, as transformers passes them."""
         if not messages:
             raise ValueError("messages is empty; pass at least one {'role': ..., 'content': ...} message")
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
                     or not isinstance(message.get("content"), str):
                 raise ValueError(f"messages[{i}] must be a dict with string 'role' and 'content', got {message!r}")
-        template = _compile_template(self.chat_template or CHATML_TEMPLATE)
+        template = _compile_template(template or self.effective_chat_template)
         return template.render(
+            **kwargs,
             messages=list(messages),
+            tools=list(tools) if tools else None,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._token_or_empty(self.bos_token_id),
             eos_token=self._token_or_empty(self.eos_token_id),
         )
+
+    @property
+    def effective_chat_template(self) -> str:
+        return self.chat_template or CHATML_TEMPLATE
 
     def _token_or_empty(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.hf.id_to_token(token_id) or "")
@@ -100,6 +109,14 @@ class Tokenizer:
             add_bos_token=bool(config.get("add_bos_token", False)),
             chat_template=config.get("chat_template"),
         )
+
+
+def check_chat_template(source: str) -> None:
+    """ValueError naming the line of a Jinja syntax error."""
+    try:
+        _compile_template(source)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"not a valid Jinja template: {error.message} (line {error.lineno})") from error
 
 
 def _compile_template(source: str) -> jinja2.Template:

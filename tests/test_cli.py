@@ -135,3 +135,11 @@ def test_convert_of_a_missing_unreadable_or_unsupported_source_is_one_error_line
     assert_one_error_line(orca_jax("convert", str(tmp_path / "mamba.gguf"), *out),
                           "architecture 'mamba' is not supported", "['llama', 'gpt2']")
     assert not (tmp_path / "out").exists()
+
+
+def test_serve_checks_the_chat_template_file_first(tmp_path):
+    result = orca_jax("serve", "--chat-template", str(tmp_path / "missing.jinja"), "--port", "0")
+    assert_one_error_line(result, "--chat-template", "missing.jinja")
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }}")
+    assert_one_error_line(orca_jax("serve", "--chat-template", str(broken), "--port", "0"), "not a valid Jinja")

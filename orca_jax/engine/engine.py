@@ -24,6 +24,7 @@ from orca_jax.engine.kv_manager import KVCacheManager
 from orca_jax.engine.request import Request, RequestStatus
 from orca_jax.engine.scheduler import Scheduler, SchedulerOutput
 from orca_jax.engine.step_plan import Runner, RunnerLost
+from orca_jax.engine.structured_output import GrammarCompiler, GrammarError
 from orca_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from orca_jax.sampling_params import MAX_STOP_IDS, SamplingParams
 from orca_jax.tokenizer import Tokenizer
@@ -94,6 +95,7 @@ class LLMEngine:
         self.step_time_s = 0.0  # wall time inside step(), host work and device work together
         self.in_flight: deque[tuple[SchedulerOutput, object]] = deque()  # dispatched, oldest first
         self.in_flight_depths: Counter[int] = Counter()  # iterations in flight right after each dispatch
+        self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size) if tokenizer is not None else None
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -114,6 +116,8 @@ class LLMEngine:
                 detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                      params.skip_special_tokens, params.stop,
                                                      params.include_stop_str_in_output)
+            if params.structured_outputs is not None:
+                request.grammar = self.grammars.grammar(params.structured_outputs)
             samples.append(_Sample(request, detokenizer, [] if params.logprobs is not None else None))
             self.scheduler.add(request)
         group = _Group(request_id, prompt, list(prompt_token_ids), samples)
@@ -158,6 +162,16 @@ class LLMEngine:
                 raise RequestRejected(f"stop token id {token} is outside the vocabulary [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise RequestRejected("stop strings need a tokenizer; this checkpoint has none")
+        bad = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad:
+            raise RequestRejected(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise RequestRejected("structured outputs need a tokenizer; this checkpoint has none")
+            try:
+                self.grammars.compile(params.structured_outputs)  # cached: add_request pays nothing more
+            except GrammarError as error:
+                raise RequestRejected(str(error)) from error
 
     def abort(self, request_id: str) -> bool:
         """Stops a request now and frees its pages; returns False if it is unknown or done."""
@@ -243,6 +257,8 @@ class LLMEngine:
         self.num_generated_tokens += len(advanced)
         for request in advanced:
             group, sample = self._samples[request.request_id]
+            if request.grammar is not None:
+                request.grammar.accept(request.output_token_ids[-1])
             self._record(sample, sampled[request.request_id])
             status = self._stop_status(sample)
             if status is not None:
@@ -284,6 +300,8 @@ class LLMEngine:
             if sample.detokenizer is not None and sample.detokenizer.stopped_by is not None:
                 request.stop_reason = sample.detokenizer.stopped_by
                 return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.finished:  # complete: only EOS could follow
+            return RequestStatus.FINISHED_STOPPED
         if num_out >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

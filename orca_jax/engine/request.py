@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from orca_jax.outputs import RequestMetrics
 from orca_jax.sampling_params import SamplingParams
@@ -35,6 +36,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)  # KV page ids, in order
     stop_reason: int | str | None = None  # the stop token or stop string that ended it
     in_flight: bool = False  # in a dispatched step whose result is not back yet: not schedulable
+    grammar: Any = None  # structured_output.Grammar when the output is constrained: its state after the outputs
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -21,7 +21,7 @@ import numpy as np
 
 from orca_jax.engine.request import Request
 from orca_jax.engine.scheduler import SchedulerOutput
-from orca_jax.sampling_params import MAX_STOP_IDS
+from orca_jax.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_IDS
 
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 4
@@ -184,6 +184,17 @@ def sampling_arrays(requests: list[Request], num_seqs: int, vocab_size: int) -> 
                 ids.append(r.eos_token_id)
             stop_ids[row, :len(ids)] = ids
             suppress[row] = True
+    # Every step ships the bitmask and the bias arrays (small, fixed shapes): rows without a
+    # constraint are all ones / zero bias, and the sampler skips the work when no row has one.
+    bitmask = np.full((num_seqs, -(-vocab_size // 32)), -1, np.int32)
+    bias_ids = np.zeros((num_seqs, MAX_LOGIT_BIAS), np.int32)
+    bias_values = np.zeros((num_seqs, MAX_LOGIT_BIAS), np.float32)
+    for row, r in enumerate(requests):
+        if r.grammar is not None:
+            r.grammar.fill_bitmask(bitmask[row])
+        if r.params.logit_bias:
+            bias_ids[row, :len(r.params.logit_bias)] = list(r.params.logit_bias)
+            bias_values[row, :len(r.params.logit_bias)] = list(r.params.logit_bias.values())
     use_penalties = any(r.params.uses_penalties for r in requests)
     counts = seen = None
     if use_penalties:
@@ -209,6 +220,11 @@ def sampling_arrays(requests: list[Request], num_seqs: int, vocab_size: int) -> 
         output_counts=counts,
         seen_tokens=seen,
         use_penalties=np.bool_(use_penalties),
+        token_bitmask=bitmask,
+        use_bitmask=np.bool_(any(r.grammar is not None for r in requests)),
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+        use_logit_bias=np.bool_(any(r.params.logit_bias for r in requests)),
         need_logprobs=np.bool_(any(r.params.logprobs is not None for r in requests)),
     )
 

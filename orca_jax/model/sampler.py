@@ -1,9 +1,11 @@
 """On-device sampling: one batch, per-request parameters as arrays, so no combination recompiles.
 
-Order (as vLLM): penalties -> min_tokens stop suppression -> temperature -> top-k -> top-p ->
-min-p -> draw. Randomness is keyed by (request seed, index of the token being generated), never by
-the batch row, so a request samples the same tokens whatever else shares its batch. Reported
-logprobs are those of the raw model distribution (before penalties and filters).
+Order (as vLLM): logit_bias -> penalties -> min_tokens stop suppression -> grammar bitmask ->
+temperature -> top-k -> top-p -> min-p -> draw. The bitmask comes last among the logit changes, so
+no bias can revive a token the grammar forbids. Randomness is keyed by (request seed, index of the
+token being generated), never by the batch row, so a request samples the same tokens whatever else
+shares its batch. Reported logprobs are those of the raw model distribution (before penalties,
+bias, grammar and filters).
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ class SamplingMetadata:
     output_counts: Int[Array, "S V"]  # occurrences of each token in the output so far
     seen_tokens: Bool[Array, "S V"]  # token occurs in prompt or output (repetition penalty)
     use_penalties: Bool[Array, ""]  # any row has a penalty: skip the [S, V] work otherwise
+    token_bitmask: Int[Array, "S W"]  # W = ceil(V / 32); bit v % 32 of word v // 32: token v allowed
+    use_bitmask: Bool[Array, ""]  # any row has a grammar
+    bias_ids: Int[Array, "S B"]  # logit_bias entries (B = MAX_LOGIT_BIAS), zero padded
+    bias_values: Float[Array, "S B"]
+    use_logit_bias: Bool[Array, ""]
     need_logprobs: Bool[Array, ""]
 
 
@@ -54,6 +61,18 @@ def apply_penalties(logits: Float[Array, "S V"], m: SamplingMetadata) -> Float[A
     counts = m.output_counts.astype(logits.dtype)
     logits = logits - m.frequency_penalty[:, None] * counts
     return logits - m.presence_penalty[:, None] * (counts > 0)
+
+
+def apply_logit_bias(logits: Float[Array, "S V"], m: SamplingMetadata) -> Float[Array, "S V"]:
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, m.bias_ids].add(m.bias_values.astype(logits.dtype))  # padding adds 0 to token 0
+
+
+def apply_token_bitmask(logits: Float[Array, "S V"], m: SamplingMetadata) -> Float[Array, "S V"]:
+    """Tokens whose bit is 0 to -inf; a row of all ones (no grammar) is unchanged."""
+    bits = (m.token_bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    allowed = bits.reshape(logits.shape[0], -1)[:, :logits.shape[-1]].astype(bool)
+    return jnp.where(allowed, logits, NEG_INF)
 
 
 def filter_logits(scaled: Float[Array, "S V"], m: SamplingMetadata) -> Float[Array, "S V"]:
@@ -75,9 +94,12 @@ def filter_logits(scaled: Float[Array, "S V"], m: SamplingMetadata) -> Float[Arr
 
 def sample(logits: Float[Array, "S V"], m: SamplingMetadata) -> SamplerOutput:
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    logits = jax.lax.cond(m.use_penalties, apply_penalties, lambda x, _: x, logits, m)
+    keep = lambda x, _: x  # noqa: E731 - the untaken branch of each optional stage
+    logits = jax.lax.cond(m.use_logit_bias, apply_logit_bias, keep, logits, m)
+    logits = jax.lax.cond(m.use_penalties, apply_penalties, keep, logits, m)
     is_stop = (jnp.arange(logits.shape[-1])[None, None, :] == m.stop_ids[:, :, None]).any(axis=1)  # [S, V]
     logits = jnp.where(m.suppress_stop[:, None] & is_stop, NEG_INF, logits)
+    logits = jax.lax.cond(m.use_bitmask, apply_token_bitmask, keep, logits, m)
     greedy_tokens = jnp.argmax(logits, axis=-1)
 
     def draw(logits):

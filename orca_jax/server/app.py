@@ -39,6 +39,8 @@ class ServerSettings:
     max_request_bytes: int = 1 << 20
     retry_after_s: int = 1  # what a 503 tells the client to wait
     enable_request_log: bool = False  # a log line per finished request (never its text)
+    chat_template: str | None = None  # Jinja source replacing the model's chat template (--chat-template)
+    tool_call_parser: str = "hermes"  # the model's tool-call format (tool_calls.TOOL_CALL_PARSERS)
 
 
 class ServerState:

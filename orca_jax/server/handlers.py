@@ -19,8 +19,8 @@ from aiohttp import web
 from orca_jax.engine.async_engine import AsyncLLMEngine, EngineStepError
 from orca_jax.engine.engine import RequestRejected
 from orca_jax.outputs import RequestOutput
-from orca_jax.sampling_params import SamplingParams
-from orca_jax.server import responses
+from orca_jax.sampling_params import SamplingParams, StructuredOutputsParams
+from orca_jax.server import responses, tool_calls
 from orca_jax.server.app import STATE, RequestRecord, ServerState, read_json, request_record
 from orca_jax.server.protocol import (APIError, invalid, parse_chat, parse_completion, parse_detokenize,
                                       parse_tokenize)
@@ -87,7 +87,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     model = _check_model(state, req.model)
     prompts = [_tokenize(engine, p) for p in req.prompts]
     for _, ids in prompts:
-        _validate(engine, ids, req.params)
+        await _validate(engine, ids, req.params)
     n = req.params.n
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     record = request_record()
@@ -122,12 +122,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat(await read_json(request))
     engine = state.require_engine()
     model = _check_model(state, req.model)
-    _, ids = _tokenize(engine, _render_chat(engine, req.messages))
-    params = req.params
+    params, parser = _tool_settings(state, req)
+    _, ids = _tokenize(engine, _render_chat(state, engine, req.messages, tools=req.tools,
+                                            kwargs=req.chat_template_kwargs))
     if not req.max_tokens_given:  # OpenAI's default: whatever room the context leaves
         room = engine.engine.max_request_tokens - len(ids)
         params = params.clone(max_tokens=max(room, 1, params.min_tokens))
-    _validate(engine, ids, params)
+    await _validate(engine, ids, params)
     record = request_record()
     record.prompt_tokens = len(ids)
     with state.admitted(params.n):
@@ -136,14 +137,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         async with contextlib.aclosing(outputs):
             response_id = record.request_id = responses.new_id("chatcmpl")
             if req.stream:
-                chunks = _chat_chunks(outputs, req, params, response_id, model, len(ids))
+                chunks = _chat_chunks(outputs, req, params, parser, response_id, model, len(ids))
                 return await _send_events(request, chunks)
             (final,) = await _collect(outputs, 1)
     choices = []
     for c in final.outputs:
         logprobs = None if c.logprobs is None else responses.chat_logprobs(c.token_ids, c.logprobs)
-        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": logprobs, "finish_reason": c.finish_reason})
+        message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+        if parser is not None:
+            content, calls = tool_calls.parse_text(c.text, parser)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish_reason = responses.tool_finish_reason(finish_reason)
+        choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
     body = responses.envelope(response_id, "chat.completion", model, choices,
                               responses.usage(len(ids), completion_tokens))
@@ -159,7 +165,8 @@ async def tokenize(request: web.Request) -> web.Response:
     engine = state.require_engine()
     _check_model(state, req.model)
     if req.messages is not None:
-        text = _render_chat(engine, req.messages, req.add_generation_prompt)
+        text = _render_chat(state, engine, req.messages, req.add_generation_prompt, req.tools,
+                            req.chat_template_kwargs)
     else:
         text = req.prompt
     _, ids = _tokenize(engine, text, add_bos=req.add_special_tokens)
@@ -183,12 +190,33 @@ async def detokenize(request: web.Request) -> web.Response:
     return web.json_response({"prompt": tokenizer.decode(req.tokens)})
 
 
-def _render_chat(engine: AsyncLLMEngine, messages: list[dict], add_generation_prompt: bool = True) -> str:
+def _tool_settings(state: ServerState, req) -> tuple[SamplingParams, str | None]:
+    """The request's sampling parameters with the grammar that forces a tool call (tool_choice
+    "required" or a named function), and the parser that finds calls in the output (None: no tools)."""
+    params = req.params
+    if req.tools is None or req.tool_choice == "none":
+        return params, None
+    if req.tool_choice != "auto":
+        if params.structured_outputs is not None:
+            raise invalid("an output constraint (response_format, structured_outputs, guided_*) cannot be combined "
+                          f"with tool_choice {req.tool_choice!r}, which constrains the output to a tool call",
+                          "tool_choice")
+        grammar = tool_calls.forced_grammar(req.tools, req.tool_choice, req.parallel_tool_calls)
+        params = params.clone(structured_outputs=StructuredOutputsParams(grammar=grammar))
+    return params, state.settings.tool_call_parser
+
+
+def _render_chat(state: ServerState, engine: AsyncLLMEngine, messages: list[dict], add_generation_prompt: bool = True,
+                 tools: list[dict] | None = None, kwargs: dict | None = None) -> str:
     tokenizer = engine.engine.tokenizer
     if tokenizer is None:
         raise invalid("this model has no tokenizer, so no chat template; use /v1/completions with token ids")
+    template = state.settings.chat_template or tokenizer.effective_chat_template
+    native = tool_calls.template_renders_tools(template)
+    messages = tool_calls.messages_for_template(messages, tools, native)
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             tools=tools if native else None, template=template, **(kwargs or {}))
     except Exception as error:  # noqa: BLE001 - templates raise their own errors (e.g. on role order)
         raise invalid(f"the model's chat template cannot render these messages: {error}", "messages") from error
 
@@ -212,9 +240,14 @@ def _decode(engine: AsyncLLMEngine, ids: list[int]) -> str:
     return "" if tokenizer is None else tokenizer.decode(ids)
 
 
-def _validate(engine: AsyncLLMEngine, ids: list[int], params: SamplingParams) -> None:
+async def _validate(engine: AsyncLLMEngine, ids: list[int], params: SamplingParams) -> None:
+    """The engine's limits (a 400 naming the limit). A constraint is compiled here, on a worker thread
+    (milliseconds, more for the first one), so a bad schema is refused before anything streams."""
     try:
-        engine.engine.validate(ids, params)
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(engine.engine.validate, ids, params)
+        else:
+            engine.engine.validate(ids, params)
     except RequestRejected as error:  # the message names the limit
         raise APIError(400, str(error), code=error.code) from error
 
@@ -331,9 +364,12 @@ async def _completion_chunks(outputs, req, response_id: str, model: str, echo: l
                                  responses.usage(prompt_tokens, completion_tokens))
 
 
-async def _chat_chunks(outputs, req, params: SamplingParams, response_id: str, model: str,
+async def _chat_chunks(outputs, req, params: SamplingParams, parser: str | None, response_id: str, model: str,
                        prompt_tokens: int) -> AsyncIterator[dict]:
     deltas = [responses.ChoiceDeltas(params.stop) for _ in range(params.n)]
+    # With tools, each choice's text goes through the tool-call parser: content deltas as they come,
+    # each call in one delta once its block is complete (name, id and the whole arguments).
+    parsers = [tool_calls.TOOL_CALL_PARSERS[parser]() for _ in range(params.n)] if parser else None
     completion_tokens = 0
 
     def chunk(index: int, delta: dict, logprobs=None, finish_reason=None) -> dict:
@@ -351,10 +387,18 @@ async def _chat_chunks(outputs, req, params: SamplingParams, response_id: str, m
                 continue
             text, tokens, entries, finish_reason = delta
             completion_tokens += len(tokens)
+            calls = []
+            if parsers is not None:
+                text, calls = parsers[c.index].feed(text, final=finish_reason is not None)
             if text or entries:
                 logprobs = None if entries is None else responses.chat_logprobs(tokens, entries)
                 yield chunk(c.index, {"content": text}, logprobs)
+            first = len(parsers[c.index].calls) - len(calls) if calls else 0
+            for number, call in enumerate(calls, first):
+                yield chunk(c.index, {"tool_calls": [{"index": number, **call}]})
             if finish_reason is not None:
+                if parsers is not None and parsers[c.index].calls:
+                    finish_reason = responses.tool_finish_reason(finish_reason)
                 yield chunk(c.index, {}, finish_reason=finish_reason)
     if req.include_usage:
         yield responses.envelope(response_id, "chat.completion.chunk", model, [],

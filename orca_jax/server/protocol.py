@@ -2,8 +2,8 @@
 
 Every field of OpenAI's documented request bodies is known here, in one of three sets:
 honoured (it changes what we do), accepted (harmless metadata we ignore, like `user`), or
-unsupported (like `tools`: a 400 that says so, unless the client sent it empty or null). vLLM's
-sampling extensions are honoured too. Anything else is a 400 naming the field, so a typo such as
+unsupported (like `audio`: a 400 that says so, unless the client sent it empty or null). vLLM's
+sampling and structured-output extensions are honoured too. Anything else is a 400 naming the field, so a typo such as
 `max_token` never silently falls back to a default.
 """
 
@@ -13,29 +13,35 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from orca_jax.sampling_params import MAX_LOGPROBS, SamplingParams
+from orca_jax.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 # vLLM's extensions: benchmarks need fixed output lengths, users need the samplers llama.cpp has.
 SAMPLING_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
-                       "skip_special_tokens", "include_stop_str_in_output"}
+                       "skip_special_tokens", "include_stop_str_in_output",
+                       # structured outputs: vLLM's newer object, and its older guided_* fields
+                       "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED_OUTPUTS_KEYS = {"json", "regex", "choice", "grammar", "json_object"}
 COMMON_HONOURED = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
-                   "stream_options", "stop", "presence_penalty", "frequency_penalty", "seed", "logit_bias"}
+                   "stream_options", "stop", "presence_penalty", "frequency_penalty", "seed", "logit_bias",
+                   "response_format"}
 
 COMPLETION_HONOURED = COMMON_HONOURED | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 COMPLETION_ACCEPTED = {"user", "metadata"}
-COMPLETION_UNSUPPORTED: set[str] = set()
+COMPLETION_UNSUPPORTED = {"prompt_logprobs"}  # vLLM's; needs logits at every prompt position (not computed)
 
-CHAT_HONOURED = COMMON_HONOURED | {"messages", "logprobs", "top_logprobs", "response_format", "modalities",
-                                   "tool_choice", "function_call", "store"}
-CHAT_ACCEPTED = {"user", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-                 "safety_identifier"}
-CHAT_UNSUPPORTED = {"tools", "functions", "audio", "prediction", "web_search_options", "reasoning_effort",
-                    "verbosity"}
+CHAT_HONOURED = COMMON_HONOURED | {"messages", "logprobs", "top_logprobs", "modalities", "tools", "tool_choice",
+                                   "parallel_tool_calls", "function_call", "store",
+                                   "chat_template_kwargs"}  # the last one is vLLM's
+CHAT_ACCEPTED = {"user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"}
+CHAT_UNSUPPORTED = {"functions", "audio", "prediction", "web_search_options", "reasoning_effort", "verbosity"}
 
 # vLLM's tokenizer endpoints: a text prompt, or chat messages rendered through the chat template.
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "tools",
+                   "chat_template_kwargs"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
+TEMPLATE_VARIABLES = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}  # set by the server
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_N = 16  # samples per prompt; each one is a sequence in the batch
 
@@ -77,6 +83,10 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     continuous_usage: bool
+    tools: list[dict] | None  # OpenAI's {"type": "function", "function": {"name", "description", "parameters"}}
+    tool_choice: str | dict  # "none", "auto", "required", or {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool
+    chat_template_kwargs: dict  # extra variables for the chat template (vLLM's)
 
 
 @dataclass
@@ -86,6 +96,8 @@ class TokenizeRequest:
     messages: list[dict] | None
     add_special_tokens: bool | None  # None: as the generation endpoints tokenize (the tokenizer's BOS rule)
     add_generation_prompt: bool
+    tools: list[dict] | None = None  # rendered into the prompt as chat renders them
+    chat_template_kwargs: dict | None = None
 
 
 @dataclass
@@ -116,15 +128,11 @@ def parse_completion(body: Any) -> CompletionRequest:
 def parse_chat(body: Any) -> ChatRequest:
     body = _object(body)
     _check_fields(body, CHAT_HONOURED, CHAT_ACCEPTED, CHAT_UNSUPPORTED, "/v1/chat/completions")
-    for field, allowed in (("tool_choice", "none"), ("function_call", "none")):
-        if body.get(field) not in (None, allowed):
-            raise invalid(f"'{field}' is not supported by this server (no tool calling); leave it out", field)
+    if body.get("function_call") not in (None, "none"):
+        raise invalid("'function_call' (the deprecated form) is not supported; use 'tools' and 'tool_choice'",
+                      "function_call")
     if body.get("store"):
         raise invalid("'store' is not supported: this server keeps no completions; leave it out or false", "store")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise invalid("only response_format {\"type\": \"text\"} is supported (no JSON mode or schemas)",
-                      "response_format")
     if body.get("modalities") not in (None, ["text"]):
         raise invalid("only the 'text' modality is supported", "modalities")
     top_logprobs = None
@@ -135,8 +143,11 @@ def parse_chat(body: Any) -> ChatRequest:
     max_tokens_given = _max_tokens(body) is not None
     params = _sampling_params(body, top_logprobs, max_tokens_default=None)
     stream, include_usage, continuous_usage = _stream(body)
+    tools = _tools(body)
+    tool_choice = _tool_choice(body, tools)
     return ChatRequest(_model(body), _messages(body), params, max_tokens_given, stream, include_usage,
-                       continuous_usage)
+                       continuous_usage, tools, tool_choice, _get(body, "parallel_tool_calls", bool, True),
+                       _template_kwargs(body))
 
 
 def parse_tokenize(body: Any) -> TokenizeRequest:
@@ -147,12 +158,13 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
         raise invalid("give exactly one of 'prompt' (a string) and 'messages' (chat messages)",
                       None if has_prompt else "prompt")
     if has_prompt:
-        if body.get("add_generation_prompt") is not None:
-            raise invalid("'add_generation_prompt' applies to 'messages' only", "add_generation_prompt")
+        for field in ("add_generation_prompt", "tools", "chat_template_kwargs"):
+            if body.get(field) is not None:
+                raise invalid(f"'{field}' applies to 'messages' only", field)
         prompt = _get(body, "prompt", str)
         return TokenizeRequest(_model(body), prompt, None, _get(body, "add_special_tokens", bool), False)
     return TokenizeRequest(_model(body), None, _messages(body), _get(body, "add_special_tokens", bool),
-                           _get(body, "add_generation_prompt", bool, True))
+                           _get(body, "add_generation_prompt", bool, True), _tools(body), _template_kwargs(body))
 
 
 def parse_detokenize(body: Any) -> DetokenizeRequest:
@@ -238,8 +250,6 @@ def _stream(body: dict) -> tuple[bool, bool, bool]:
 def _sampling_params(body: dict, logprobs: int | None, max_tokens_default: int | None) -> SamplingParams:
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise invalid(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", "logprobs")
-    if body.get("logit_bias") not in (None, {}):
-        raise invalid("'logit_bias' is not supported by this server; leave it out", "logit_bias")
     n = _get(body, "n", int, 1)
     if n > MAX_N:
         raise invalid(f"n={n} is above this server's maximum of {MAX_N} samples per prompt", "n")
@@ -267,6 +277,7 @@ def _sampling_params(body: dict, logprobs: int | None, max_tokens_default: int |
         ignore_eos=_get(body, "ignore_eos", bool, False), logprobs=logprobs,
         skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
         include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
+        logit_bias=_logit_bias(body), structured_outputs=_structured_outputs(body),
     )
     try:
         return SamplingParams(**kwargs)
@@ -276,6 +287,111 @@ def _sampling_params(body: dict, logprobs: int | None, max_tokens_default: int |
         if field == "max_tokens" and body.get("max_completion_tokens") is not None:
             field = "max_completion_tokens"
         raise invalid(message, field if field in body else None) from error
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's {"token id as a string": bias}; the values' range is SamplingParams' to check."""
+    bias = _get(body, "logit_bias", dict)
+    if not bias:
+        return None
+    parsed = {}
+    for key, value in bias.items():
+        if not re.fullmatch(r"[0-9]+", str(key)):
+            raise invalid(f"logit_bias keys must be token ids (non-negative integers), got {key!r}", "logit_bias")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise invalid(f"logit_bias values must be numbers in [-100, 100]; token {key} has {json_type(value)}",
+                          "logit_bias")
+        parsed[int(key)] = float(value)
+    return parsed
+
+
+def _structured_outputs(body: dict) -> StructuredOutputsParams | None:
+    """The one output constraint among response_format, structured_outputs and the guided_* fields."""
+    given: dict[str, tuple[str, Any]] = {}  # field -> (constraint kind, value)
+    response_format = _get(body, "response_format", dict)
+    if response_format is not None:
+        kind = response_format.get("type")
+        if kind == "json_object":
+            given["response_format"] = ("json_object", True)
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise invalid("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": "
+                              "{...}}}", "response_format")
+            given["response_format"] = ("json", schema)
+        elif kind != "text":
+            raise invalid(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                          "response_format")
+    for field, kind in GUIDED_FIELDS.items():
+        if body.get(field) is not None:
+            given[field] = (kind, body[field])
+    structured = _get(body, "structured_outputs", dict)
+    if structured:
+        unknown = set(structured) - STRUCTURED_OUTPUTS_KEYS
+        if unknown:
+            raise invalid(f"unknown structured_outputs keys {sorted(unknown)}; this server knows "
+                          f"{sorted(STRUCTURED_OUTPUTS_KEYS)}", "structured_outputs")
+        for kind, value in structured.items():
+            if value not in (None, False):
+                given[f"structured_outputs.{kind}"] = (kind, value)
+    if not given:
+        return None
+    if len(given) > 1:
+        raise invalid(f"give one output constraint, got {sorted(given)}", sorted(given)[0].split(".")[0])
+    (field, (kind, value)), = given.items()
+    try:
+        return StructuredOutputsParams(**{kind: value})
+    except (TypeError, ValueError) as error:
+        raise invalid(f"'{field}': {error}", field.split(".")[0]) from error
+
+
+def _template_kwargs(body: dict) -> dict:
+    kwargs = _get(body, "chat_template_kwargs", dict, {})
+    reserved = sorted(set(kwargs) & TEMPLATE_VARIABLES)
+    if reserved:
+        raise invalid(f"chat_template_kwargs may not set {reserved}: the server sets them from the request",
+                      "chat_template_kwargs")
+    return kwargs
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools = _get(body, "tools", list)
+    if not tools:
+        return None
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(function, dict)):
+            raise invalid(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                          "\"parameters\": {...}}}", "tools")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise invalid(f"tools[{i}].function.name must be a non-empty string", "tools")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise invalid(f"tools[{i}].function.parameters must be a JSON schema (an object)", "tools")
+    names = [tool["function"]["name"] for tool in tools]
+    if len(set(names)) != len(names):
+        raise invalid(f"tool names must be unique, got {names}", "tools")
+    return tools
+
+
+def _tool_choice(body: dict, tools: list[dict] | None) -> str | dict:
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto" if tools else "none"
+    if choice == "none":
+        return choice
+    if not tools:
+        raise invalid("'tool_choice' needs 'tools'", "tool_choice")
+    if choice in ("auto", "required"):
+        return choice
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)):
+        raise invalid("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
+                      f"{{\"name\": ...}}}}, got {choice!r}", "tool_choice")
+    names = [tool["function"]["name"] for tool in tools]
+    if name not in names:
+        raise invalid(f"tool_choice names the function '{name}', which is not among the tools {names}", "tool_choice")
+    return choice
 
 
 def _prompts(body: dict) -> list[str | list[int]]:
@@ -315,9 +431,31 @@ def _messages(body: dict) -> list[dict]:
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}", "messages")
-        flattened.append({"role": "system" if role == "developer" else role,
-                          "content": _content_text(message.get("content"), i)})
+        flat = {"role": "system" if role == "developer" else role, "content": _content_text(message.get("content"), i)}
+        if role == "assistant" and message.get("tool_calls"):
+            flat["tool_calls"] = _message_tool_calls(message["tool_calls"], i)
+        if role == "tool":
+            if not isinstance(message.get("tool_call_id"), str):
+                raise invalid(f"messages[{i}] (role 'tool') needs 'tool_call_id', the id of the call it answers",
+                              "messages")
+            flat["tool_call_id"] = message["tool_call_id"]
+        if isinstance(message.get("name"), str):
+            flat["name"] = message["name"]
+        flattened.append(flat)
     return flattened
+
+
+def _message_tool_calls(calls: Any, i: int) -> list[dict]:
+    """An assistant message's tool_calls as OpenAI sends them (arguments: a JSON text)."""
+    if not isinstance(calls, list):
+        raise invalid(f"messages[{i}].tool_calls must be a list", "messages")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments"), str)):
+            raise invalid(f"messages[{i}].tool_calls[{j}] must be {{\"id\", \"type\": \"function\", "
+                          "\"function\": {\"name\": ..., \"arguments\": \"<JSON text>\"}}", "messages")
+    return calls
 
 
 def _content_text(content: Any, i: int) -> str:

@@ -29,6 +29,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def tool_finish_reason(finish_reason: str | None) -> str | None:
+    """A choice that made tool calls finishes with "tool_calls", unless it was cut by the length."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 def _token_text(entry: Logprob, token: int) -> str:
     return entry.decoded_token if entry.decoded_token is not None else f"<{token}>"
 

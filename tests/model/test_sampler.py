@@ -18,6 +18,9 @@ def metadata(rows, **overrides):
         stop_ids=np.full((rows, 4), -1, np.int32), suppress_stop=np.zeros(rows, bool),
         output_counts=np.zeros((rows, V), np.int32), seen_tokens=np.zeros((rows, V), bool),
         use_penalties=np.bool_(False), need_logprobs=np.bool_(False),
+        token_bitmask=np.full((rows, 1), -1, np.int32), use_bitmask=np.bool_(False),
+        bias_ids=np.zeros((rows, 3), np.int32), bias_values=np.zeros((rows, 3), np.float32),
+        use_logit_bias=np.bool_(False),
     )
     base.update(overrides)
     return SamplingMetadata(**{k: jnp.asarray(v) for k, v in base.items()})
@@ -111,3 +114,32 @@ def test_logprobs_with_a_vocabulary_smaller_than_the_top_n():
     assert ids[0] == 2 and ids[1] == 3
     assert np.isclose(float(out.logprob[0]), float(out.top_logprobs[0, 0]))
     assert np.isclose(np.exp(np.asarray(out.top_logprobs[0, :V])).sum(), 1.0, atol=1e-5)
+
+
+def test_token_bitmask_masks_only_its_row():
+    allowed = np.full((2, 1), -1, np.int32)
+    allowed[0, 0] = (1 << 4) | (1 << 6)  # row 0 may only say token 4 or 6; row 1 is unconstrained
+    logits = jnp.concatenate([LOGITS, LOGITS])
+    out = sample(logits, metadata(2, token_bitmask=allowed, use_bitmask=np.bool_(True)))
+    assert out.tokens.tolist() == [4, 2]
+    # Sampled rows draw among the allowed tokens only; logprobs stay the raw model's.
+    drawn = sample(logits, metadata(2, token_bitmask=allowed, use_bitmask=np.bool_(True), need_logprobs=np.bool_(True),
+                                    temperature=np.ones(2, np.float32)))
+    assert int(drawn.tokens[0]) in (4, 6)
+    assert np.allclose(drawn.top_logprobs[0, :2], drawn.top_logprobs[1, :2])
+    # The flag gates the work.
+    assert sample(logits, metadata(2, token_bitmask=allowed)).tokens.tolist() == [2, 2]
+
+
+def test_logit_bias_bans_and_forces_per_row():
+    ids = np.array([[2, 0, 0], [7, 0, 0]], np.int32)
+    values = np.array([[-100, 0, 0], [100, 0, 0]], np.float32)
+    logits = jnp.concatenate([LOGITS, LOGITS])
+    out = sample(logits, metadata(2, bias_ids=ids, bias_values=values, use_logit_bias=np.bool_(True)))
+    assert out.tokens.tolist() == [3, 7]
+    assert sample(logits, metadata(2, bias_ids=ids, bias_values=values)).tokens.tolist() == [2, 2]
+    # A grammar outranks a bias: row 1 forces token 7, but its grammar allows only 1.
+    allowed = np.array([[-1], [1 << 1]], np.int32)
+    out = sample(logits, metadata(2, bias_ids=ids, bias_values=values, use_logit_bias=np.bool_(True),
+                                  token_bitmask=allowed, use_bitmask=np.bool_(True)))
+    assert out.tokens.tolist() == [3, 1]

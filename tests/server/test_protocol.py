@@ -3,6 +3,7 @@ by name, and typed requests come out right."""
 
 import pytest
 
+from orca_jax.sampling_params import StructuredOutputsParams
 from orca_jax.server.protocol import APIError, parse_chat, parse_completion
 
 # OpenAI's documented request fields (API reference, legacy completions and chat completions).
@@ -30,11 +31,11 @@ def test_every_chat_field_is_known(field):
     parse_chat(body)
 
 
-@pytest.mark.parametrize("field,value", [("tools", [{"type": "function"}]), ("functions", [{"name": "f"}]),
+@pytest.mark.parametrize("field,value", [("functions", [{"name": "f"}]),
                                          ("audio", {"voice": "alloy"}), ("prediction", {"type": "content"}),
                                          ("reasoning_effort", "high"),
                                          ("web_search_options", {"search_context_size": "low"}),
-                                         ("tool_choice", "auto"), ("store", True), ("modalities", ["audio"])])
+                                         ("function_call", "auto"), ("store", True), ("modalities", ["audio"])])
 def test_unsupported_chat_fields_are_refused_by_name(field, value):
     with pytest.raises(APIError) as error:
         parse_chat({"messages": MESSAGES, field: value})
@@ -65,3 +66,71 @@ def test_chat_request_is_typed():
     assert request.params.max_tokens == 9 and request.max_tokens_given  # the newer name wins
     assert request.params.logprobs == 3
     assert not parse_chat({"messages": MESSAGES}).max_tokens_given
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("body,expected", [
+    ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA, "strict": True}}},
+     StructuredOutputsParams(json=SCHEMA)),
+    ({"response_format": {"type": "text"}}, None),
+    ({"guided_json": SCHEMA}, StructuredOutputsParams(json=SCHEMA)),
+    ({"guided_regex": "[0-9]+"}, StructuredOutputsParams(regex="[0-9]+")),
+    ({"guided_choice": ["yes", "no"]}, StructuredOutputsParams(choice=["yes", "no"])),
+    ({"guided_grammar": "start: \"x\""}, StructuredOutputsParams(grammar="start: \"x\"")),
+    ({"structured_outputs": {"regex": "a+"}}, StructuredOutputsParams(regex="a+")),
+    ({"structured_outputs": {"json_object": True}}, StructuredOutputsParams(json_object=True)),
+])
+def test_output_constraints_on_both_endpoints(body, expected):
+    assert parse_chat({"messages": MESSAGES, **body}).params.structured_outputs == expected
+    assert parse_completion({"prompt": "hi", **body}).params.structured_outputs == expected
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}}, "response_format", "schema"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "one output constraint"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"guided_json": 3}, "guided_json", "JSON schema"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "one output constraint"),
+])
+def test_bad_output_constraints(body, param, words):
+    with pytest.raises(APIError) as error:
+        parse_completion({"prompt": "hi", **body})
+    assert error.value.param == param and words in error.value.message
+
+
+def test_logit_bias_keys_become_token_ids():
+    assert parse_completion({"prompt": "hi", "logit_bias": {"5": -100, "7": 2.5}}).params.logit_bias == {5: -100.0,
+                                                                                                        7: 2.5}
+    for bias, words in (({"5": -101}, "[-100, 100]"), ({"-5": 1}, "token ids"), ({"5": True}, "numbers"),
+                        ({str(i): 1 for i in range(301)}, "at most 300")):
+        with pytest.raises(APIError) as error:
+            parse_chat({"messages": MESSAGES, "logit_bias": bias})
+        assert error.value.param == "logit_bias" and words in error.value.message
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
+
+
+def test_tools_and_tool_messages_are_typed():
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    request = parse_chat({"messages": messages, "tools": [TOOL], "chat_template_kwargs": {"enable_thinking": False}})
+    assert request.tools == [TOOL] and request.tool_choice == "auto" and request.parallel_tool_calls
+    assert request.messages[1] == {"role": "assistant", "content": "", "tool_calls": messages[1]["tool_calls"]}
+    assert request.messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+    assert request.chat_template_kwargs == {"enable_thinking": False}
+    assert parse_chat({"messages": MESSAGES}).tool_choice == "none"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert parse_chat({"messages": MESSAGES, "tools": [TOOL], "tool_choice": named}).tool_choice == named
+    with pytest.raises(APIError, match="not among the tools"):
+        parse_chat({"messages": MESSAGES, "tools": [TOOL], "tool_choice": {"type": "function",
+                                                                           "function": {"name": "nope"}}})
+    with pytest.raises(APIError, match="tool_choice must be"):
+        parse_chat({"messages": MESSAGES, "tools": [TOOL], "tool_choice": "sometimes"})
+    with pytest.raises(APIError, match="unique"):
+        parse_chat({"messages": MESSAGES, "tools": [TOOL, TOOL]})

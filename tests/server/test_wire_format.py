@@ -175,6 +175,7 @@ def test_official_openai_client(smollm2_server):
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4", messages=MESSAGES)
-    with pytest.raises(openai.BadRequestError, match="tools"):
-        client.chat.completions.create(model="smollm2", messages=MESSAGES,
-                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(model="smollm2", messages=MESSAGES, tool_choice={
+            "type": "function", "function": {"name": "g"}},
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
