@@ -29,6 +29,7 @@ from typing import Any, Callable
 import jax
 import jaxlib
 from jax.experimental import serialize_executable
+from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 
 from orca_jax.config import REPO_ROOT
 
@@ -85,13 +86,17 @@ def _describe_args(args) -> list[str]:
 
 def _compile_afresh(lowered):
     """Compiles without JAX's persistent cache: with jax 0.10.2 on CPU, an executable that came from
-    that cache serializes without its machine code (loading it fails with "Function ... not found")."""
+    that cache serializes without its machine code (loading it fails with "Function ... not found").
+    JAX decides once per process whether its cache is on, so switching it off takes a reset, and
+    switching it back on another."""
     enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    jax_compilation_cache.reset_cache()
     try:
         return lowered.compile()
     finally:
         jax.config.update("jax_enable_compilation_cache", enabled)
+        jax_compilation_cache.reset_cache()
 
 
 class ExecutableStore:

@@ -1,6 +1,8 @@
 """Compiled programs stored between runs: loaded only when everything they depend on matches."""
 
 import logging
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +43,36 @@ def test_a_stored_program_is_loaded_and_gives_the_same_results(tmp_path):
     second = Program(2.0)
     np.testing.assert_array_equal(run(second.get(store)), want)
     assert (first.compiles, second.compiles, store.loaded) == (1, 0, 1)
+
+
+# Run in fresh processes: JAX's cache hands back a deserialized executable only from disk.
+STEP_SCRIPT = """
+import sys, jax, jax.numpy as jnp
+from pathlib import Path
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+from orca_jax.engine.compile_cache import ExecutableStore
+jax.jit(lambda x: x + 1)(1.0)  # any compile first: JAX then takes its cache as on for this process
+args = (jax.ShapeDtypeStruct((4,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),)
+store = ExecutableStore(Path(sys.argv[2]))
+compiled = store.load_or_compile("f", args, "", lambda: jax.jit(lambda x: jnp.sin(x) * 2 + x ** 3).lower(*args),
+                                 jax.tree.structure(0), jax.devices()[:1])
+print(store.loaded, compiled(jnp.arange(4, dtype=jnp.float32)).tolist())
+"""
+
+
+def test_a_program_from_jaxs_own_cache_is_compiled_afresh_for_the_store(tmp_path):
+    """An executable that JAX's persistent cache hands back serializes without its machine code
+    (jax 0.10.2, CPU); the store must compile its own copy, or the stored file fails when run."""
+    def step(store: str) -> str:
+        done = subprocess.run([sys.executable, "-c", STEP_SCRIPT, str(tmp_path / "jax"), store], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split(None, 1)
+
+    _, want = step(str(tmp_path / "store A"))  # compiled; JAX's cache must not keep a copy
+    assert step(str(tmp_path / "store B")) == ["0", want]  # as after a source edit: compiled again
+    assert step(str(tmp_path / "store B")) == ["1", want]  # loaded from the store, and it runs
 
 
 def test_a_stale_entry_is_ignored_and_rebuilt(tmp_path, monkeypatch):
