@@ -157,8 +157,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "one lets orca/static reserve less KV per request")
     group.add_argument("--attention-impl", choices=["auto", "xla", "pallas"])
     group.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="weights, activations and KV pages (auto: the checkpoint's; float32 is fastest on CPU, "
-                            "bfloat16 halves the memory on GPU)")
+                       help="weights, activations and KV pages (auto: the checkpoint's own dtype, but float32 on CPU, "
+                            "where bfloat16 is slower; bfloat16 halves weights and KV pages)")
     group.add_argument("--tensor-parallel-size", type=int, help="devices each layer is split over")
     group.add_argument("--pipeline-parallel-size", type=int, help="pipeline stages the layers are split into")
     hosts = parser.add_argument_group(

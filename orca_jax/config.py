@@ -21,6 +21,7 @@ MODEL_PRESET_DIR = CONFIG_DIR / "models"
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 Architecture = Literal["llama", "gpt2"]
+RopeScalingKind = Literal["llama3", "freq_factors"]
 DType = Literal["float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["static", "orca", "paged", "chunked"]
 AttentionImpl = Literal["auto", "pallas", "xla"]
@@ -75,11 +76,14 @@ class ModelConfig:
     # Frequencies whose wavelength (tokens per turn) exceeds rope_original_max_position /
     # rope_low_freq_factor are divided by rope_scaling_factor; those below rope_original_max_position /
     # rope_high_freq_factor are kept; the ones between are interpolated smoothly.
-    rope_scaling: str | None = None  # "llama3" or None
+    # "freq_factors" (GGUF files of Llama 3.x carry the same scaling as a `rope_freqs` tensor): pair i's
+    # frequency is divided by rope_freq_factors[i], one factor per rotary pair (head_dim / 2 of them).
+    rope_scaling: RopeScalingKind | None = None
     rope_scaling_factor: float | None = None  # dimensionless, e.g. 8.0 (Llama 3.1) or 32.0 (Llama 3.2)
     rope_low_freq_factor: float | None = None  # dimensionless, e.g. 1.0
     rope_high_freq_factor: float | None = None  # dimensionless, e.g. 4.0; > rope_low_freq_factor
     rope_original_max_position: int | None = None  # tokens: the context length of pre-training, e.g. 8192
+    rope_freq_factors: tuple[float, ...] | None = None  # dimensionless divisors, for "freq_factors" only
     tie_word_embeddings: bool = True  # LM head shares the token embedding matrix
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -119,18 +123,27 @@ class ModelConfig:
             )
 
     def _check_rope_scaling(self) -> None:
-        scaling_fields = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                          "rope_original_max_position")
+        llama3_fields = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                         "rope_original_max_position")
+        fields_of = {None: (), "llama3": llama3_fields, "freq_factors": ("rope_freq_factors",)}
+        _require(self.rope_scaling in fields_of,
+                 f"ModelConfig {self.name!r}: rope_scaling={self.rope_scaling!r}; the supported ones are "
+                 "'llama3' and 'freq_factors'")
+        needed = fields_of[self.rope_scaling]
+        stray = [f for f in llama3_fields + ("rope_freq_factors",) if f not in needed and getattr(self, f) is not None]
+        _require(not stray, f"ModelConfig {self.name!r}: {stray} are set but rope_scaling is {self.rope_scaling!r}; "
+                            "set the rope_scaling they belong to ('llama3' or 'freq_factors') or remove them")
         if self.rope_scaling is None:
-            given = [f for f in scaling_fields if getattr(self, f) is not None]
-            _require(not given, f"ModelConfig {self.name!r}: {given} are set but rope_scaling is not; "
-                                'set rope_scaling = "llama3" or remove them')
             return
-        _require(self.rope_scaling == "llama3",
-                 f"ModelConfig {self.name!r}: rope_scaling={self.rope_scaling!r}; the supported one is 'llama3'")
         _require(self.architecture == "llama", f"ModelConfig {self.name!r}: rope_scaling needs architecture 'llama'")
-        missing = [f for f in scaling_fields if getattr(self, f) is None]
-        _require(not missing, f"ModelConfig {self.name!r}: rope_scaling 'llama3' needs {missing}")
+        missing = [f for f in needed if getattr(self, f) is None]
+        _require(not missing, f"ModelConfig {self.name!r}: rope_scaling {self.rope_scaling!r} needs {missing}")
+        if self.rope_scaling == "freq_factors":
+            factors = self.rope_freq_factors
+            _require(len(factors) == self.head_dim // 2 and all(f > 0 for f in factors),
+                     f"ModelConfig {self.name!r}: rope_freq_factors needs head_dim / 2 = {self.head_dim // 2} "
+                     f"positive factors, got {len(factors)}")
+            return
         _require(self.rope_scaling_factor > 0 and self.rope_original_max_position > 0,
                  f"ModelConfig {self.name!r}: rope_scaling_factor and rope_original_max_position must be > 0")
         _require(0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
@@ -194,7 +207,7 @@ class ParallelConfig:
 class EngineConfig:
     model: str = DEFAULT_MODEL  # preset name or checkpoint directory
     max_model_len: int | None = None  # tokens per sequence (prompt + output); None: the model's context length
-    dtype: DTypeSetting = "auto"  # weights, activations and KV pages; auto: the checkpoint's (float32 on CPU)
+    dtype: DTypeSetting = "auto"  # weights, activations and KV pages; auto: the checkpoint's, float32 on CPU
     attention_impl: AttentionImpl = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -252,6 +265,11 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
     for kind in allowed:
         if kind is type(None) and value is None:
             return value
+        if typing.get_origin(kind) is Literal and isinstance(value, str):
+            return value  # as above: the dataclass names the choices
+        if typing.get_origin(kind) is tuple and isinstance(value, list):
+            # A TOML array; tuples keep the frozen dataclass hashable. Only tuple[float, ...] exists.
+            return tuple(_check_type(item, float, f"{where}[{i}]") for i, item in enumerate(value))
         if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         if kind in (int, str, bool) and type(value) is kind:
@@ -285,7 +303,7 @@ def load_model_preset(name: str) -> ModelConfig:
 
 
 def model_config_to_toml(config: ModelConfig) -> str:
-    """Serialises a ModelConfig as TOML (flat scalars only, so a hand-written writer suffices)."""
+    """Serialises a ModelConfig as TOML (flat scalars and float arrays, so a hand-written writer suffices)."""
     lines = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
@@ -295,6 +313,8 @@ def model_config_to_toml(config: ModelConfig) -> str:
             text = "true" if value else "false"
         elif isinstance(value, str):
             text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        elif isinstance(value, tuple):
+            text = "[" + ", ".join(repr(float(item)) for item in value) + "]"
         else:
             text = repr(value)
         lines.append(f"{f.name} = {text}")

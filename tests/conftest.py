@@ -47,6 +47,21 @@ def tiny_trained():
     return load_model(REPO_ROOT / "checkpoints" / "tiny")
 
 
+@pytest.fixture(scope="session")
+def tiny_bf16():
+    """The trained tiny model in bfloat16 (weights, activations, KV pages), as on a GPU."""
+    from orca_jax.checkpoint.store import load_model
+
+    return load_model(REPO_ROOT / "checkpoints" / "tiny", dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16(smollm2):  # after `smollm2`, which pulls the checkpoint on first use
+    from orca_jax.checkpoint.store import load_model
+
+    return load_model(SMOLLM2, dtype="bfloat16")
+
+
 # Runners are compiled once per session and shared by engine and server tests.
 def warm_tiny_runner(tiny_trained, attention_impl, tp=1, pp=1):
     from orca_jax.config import ParallelConfig
@@ -86,6 +101,16 @@ def tiny_pallas_runner(tiny_trained):
 @pytest.fixture(scope="session")
 def smollm2_runner(smollm2):
     return warm_smollm2_runner(smollm2)
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16_runner(tiny_bf16):
+    return warm_tiny_runner(tiny_bf16, "xla")
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16_runner(smollm2_bf16):
+    return warm_smollm2_runner(smollm2_bf16)
 
 
 @pytest.fixture(scope="session")

@@ -115,11 +115,35 @@ def test_rope_scaling_round_trips_through_toml_and_is_validated(tmp_path):
     assert load_toml(ModelConfig, path) == config
     assert load_toml(ModelConfig, path).rope_original_max_position == 64
     tiny = load_model_preset("tiny")
-    with pytest.raises(ConfigError, match="supported one is 'llama3'"):
+    with pytest.raises(ConfigError, match="supported ones are 'llama3' and 'freq_factors'"):
         dataclasses.replace(tiny, **(LLAMA3_SCALING | {"rope_scaling": "yarn"}))
     with pytest.raises(ConfigError, match="needs \\['rope_original_max_position'\\]"):
         dataclasses.replace(tiny, **(LLAMA3_SCALING | {"rope_original_max_position": None}))
-    with pytest.raises(ConfigError, match="set but rope_scaling is not"):
+    with pytest.raises(ConfigError, match="set but rope_scaling is None"):
         dataclasses.replace(tiny, rope_scaling_factor=8.0)
     with pytest.raises(ConfigError, match="rope_low_freq_factor .* < rope_high_freq_factor"):
         dataclasses.replace(tiny, **(LLAMA3_SCALING | {"rope_low_freq_factor": 4.0}))
+
+
+def test_rope_freq_factors_round_trip_through_toml_and_are_validated(tmp_path):
+    """GGUF's per-frequency factors are a TOML array of floats; float32 values read back exactly."""
+    import dataclasses
+
+    import numpy as np
+
+    factors = tuple(float(f) for f in np.float32([1.0, 1.0, 1.5 / 1.1, 2.7, 8.0, 8.0, 8.0, 8.0]))
+    config = dataclasses.replace(load_model_preset("tiny"), rope_scaling="freq_factors", rope_freq_factors=factors)
+    path = tmp_path / "m.toml"
+    path.write_text(model_config_to_toml(config))
+    assert load_toml(ModelConfig, path) == config
+    assert "rope_freq_factors = [1.0, 1.0, " in path.read_text()
+    tiny = load_model_preset("tiny")  # head_dim 16: 8 rotary pairs
+    with pytest.raises(ConfigError, match="needs head_dim / 2 = 8 positive factors, got 3"):
+        dataclasses.replace(tiny, rope_scaling="freq_factors", rope_freq_factors=(1.0, 2.0, 3.0))
+    with pytest.raises(ConfigError, match="needs \\['rope_freq_factors'\\]"):
+        dataclasses.replace(tiny, rope_scaling="freq_factors")
+    with pytest.raises(ConfigError, match="\\['rope_freq_factors'\\] are set but rope_scaling is 'llama3'"):
+        dataclasses.replace(tiny, **(LLAMA3_SCALING | {"rope_freq_factors": factors}))
+    path.write_text(model_config_to_toml(config).replace("[1.0, 1.0,", '["a", 1.0,'))
+    with pytest.raises(ConfigError, match="rope_freq_factors\\[0\\] = 'a' has type str; expected float"):
+        load_toml(ModelConfig, path)

@@ -1,4 +1,10 @@
-"""Import a GGUF file (llama.cpp's format): model config, dequantized weights, tokenizer."""
+"""Import a GGUF file (llama.cpp's format): model config, dequantized weights, tokenizer.
+
+Quantized weights are dequantized to float32; a file whose weight matrices are all F16 (or all
+BF16) keeps that dtype, as the HF import does. Llama 3.x files carry their RoPE scaling as a
+`rope_freqs` tensor (one divisor per rotary pair, computed by llama.cpp's converter from the HF
+`rope_scaling`); it is kept exactly as `rope_scaling = "freq_factors"`.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,9 @@ from orca_jax.config import ModelConfig
 from orca_jax.tokenizer import Tokenizer, byte_level_bpe
 
 SUPPORTED_ARCHITECTURES = ("llama", "gpt2")
+ROPE_FREQS = "rope_freqs.weight"
+# Weight types kept as they are; every other type is dequantized to float32.
+KEPT_TYPES = {gguf.GGMLQuantizationType.F16: "float16", gguf.GGMLQuantizationType.BF16: "bfloat16"}
 # llama.cpp pre-tokenizer names that are byte-level BPE with digits split one by one first.
 SPLIT_DIGIT_PRE_TOKENIZERS = ("smollm",)
 PLAIN_BYTE_LEVEL_PRE_TOKENIZERS = ("gpt2", "default")
@@ -69,13 +78,18 @@ def read_gguf(path: str | Path, name: str) -> tuple[ModelConfig, dict[str, np.nd
         # float32 round trip: GGUF stores eps as float32 (1e-5 reads back as 9.99999974e-06).
         norm_eps=float(np.float32(meta(eps_key))),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        **_rope_scaling(reader, arch, path),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        dtype=_weights_dtype(reader),
     )
     tensors = {}
     for tensor in reader.tensors:
-        # GGUF lists dims innermost first; dequantize returns numpy in [out, in] order.
+        if tensor.name == ROPE_FREQS:
+            continue  # in the config already
+        # GGUF lists dims innermost first; dequantize returns numpy in [out, in] order. F16 and BF16
+        # widen to float32 exactly, so narrowing back to the file's dtype (to_decoder_params) is lossless.
         tensors[tensor.name] = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
     if arch == "llama":
         for i in range(config.n_layers):
@@ -84,6 +98,27 @@ def read_gguf(path: str | Path, name: str) -> tuple[ModelConfig, dict[str, np.nd
     params = to_decoder_params(config, tensors)
     tokenizer = _tokenizer(reader, path, config) if tokens is not None else None
     return config, params, tokenizer
+
+
+def _rope_scaling(reader: gguf.GGUFReader, arch: str, path: str | Path) -> dict:
+    """ModelConfig's rope fields. llama.cpp's converter writes Llama 3.x's scaling as the `rope_freqs`
+    tensor and no scaling metadata; linear, YaRN and LongRoPE scaling come as `{arch}.rope.scaling.type`,
+    which this engine does not implement, so they are refused rather than silently run unscaled."""
+    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if kind != "none":
+        raise GGUFImportError(f"{path}: rope scaling type {kind!r} ({arch}.rope.scaling.type) is not supported; "
+                              "supported: plain RoPE and Llama 3.x frequency factors (the rope_freqs tensor)")
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is None:
+        return {}
+    factors = gguf.quants.dequantize(freqs.data, freqs.tensor_type).astype(np.float32).reshape(-1)
+    return {"rope_scaling": "freq_factors", "rope_freq_factors": tuple(float(f) for f in factors)}
+
+
+def _weights_dtype(reader: gguf.GGUFReader) -> str:
+    """float16 or bfloat16 when every weight matrix is stored so (norms are F32 even then), else float32."""
+    matrix_types = {t.tensor_type for t in reader.tensors if len(t.shape) == 2}
+    return KEPT_TYPES.get(matrix_types.pop(), "float32") if len(matrix_types) == 1 else "float32"
 
 
 def _tokenizer(reader: gguf.GGUFReader, path: str | Path, config: ModelConfig) -> Tokenizer:

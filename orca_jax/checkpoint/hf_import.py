@@ -1,10 +1,13 @@
 """Import a Hugging Face model folder (config.json + *.safetensors [+ tokenizer.json]).
 
-Llama-family (`model_type` llama, or any config with the same tensors) and GPT-2 layouts.
+Llama-family (`model_type` llama, or any config with the same tensors) and GPT-2 layouts. The
+weights keep the checkpoint's own dtype (config.json's `torch_dtype`, else the tensors'): a bfloat16
+model is stored as bfloat16; which dtype it runs in is decided when it is loaded (`--dtype`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -81,7 +84,7 @@ def read_hf_folder(folder: str | Path, name: str) -> tuple[ModelConfig, dict[str
     tensors = {}
     for file in files:
         try:
-            reader = safe_open(file, framework="flax")
+            reader = safe_open(file, framework="numpy")
         except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError, not an OSError
             raise HFImportError(f"cannot read {file} as safetensors: {e}") from None
         with reader as f:
@@ -89,9 +92,26 @@ def read_hf_folder(folder: str | Path, name: str) -> tuple[ModelConfig, dict[str
                 if IGNORED.match(hf_name):
                     continue
                 gguf_name = _rename(hf_name, names, file)
-                array = np.asarray(f.get_tensor(hf_name), dtype=np.float32)
+                array = f.get_tensor(hf_name)
                 tensors[gguf_name] = array.T if GPT2_TRANSPOSED.fullmatch(gguf_name) and model_type == "gpt2" else array
+    config = dataclasses.replace(config, dtype=_checkpoint_dtype(hf_config, tensors, config_file))
     return config, to_decoder_params(config, tensors), _tokenizer(folder, config)
+
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _checkpoint_dtype(hf_config: dict, tensors: dict[str, np.ndarray], config_file: Path) -> str:
+    """The dtype the checkpoint was saved in: `torch_dtype` (`dtype` in newer transformers), else the
+    dtype of its weight matrices, else float32."""
+    declared = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    if declared is None:
+        matrix_dtypes = {str(a.dtype) for a in tensors.values() if a.ndim == 2}
+        declared = matrix_dtypes.pop() if len(matrix_dtypes) == 1 else "float32"
+    if declared not in SUPPORTED_DTYPES:
+        raise HFImportError(f"{config_file}: weights in {declared} are not supported; supported: "
+                            f"{list(SUPPORTED_DTYPES)}")
+    return declared
 
 
 def _rename(hf_name: str, names: dict[str, str], file: Path) -> str:

@@ -8,6 +8,7 @@ PyTorch and GGUF do; `to_decoder_params` then transposes and reshapes them into 
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from orca_jax.config import ModelConfig
@@ -17,9 +18,16 @@ class WeightMappingError(ValueError):
     pass
 
 
+def numpy_dtype(name: str) -> np.dtype:
+    """numpy has no bfloat16 of its own; ml_dtypes (which jax depends on) provides it."""
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
 def to_decoder_params(config: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Returns flat decoder params {"layers.0.attn.q.kernel": array} from GGUF-named tensors."""
-    dtype = np.dtype(config.dtype) if config.dtype == "float32" else np.float32
+    """Returns flat decoder params {"layers.0.attn.q.kernel": array} from GGUF-named tensors, all in
+    `config.dtype` (the checkpoint's own; tensors a checkpoint keeps wider, such as float32 norms in a
+    bfloat16 file, are narrowed to it as the model computes in one dtype)."""
+    dtype = numpy_dtype(config.dtype)
     remaining = dict(tensors)
 
     def take(name: str) -> np.ndarray:

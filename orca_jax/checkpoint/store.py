@@ -124,17 +124,23 @@ def save_checkpoint(
     return path
 
 
+def read_model_config(name_or_path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a checkpoint (by preset name or directory), without loading its weights."""
+    path = resolve_checkpoint_dir(name_or_path)
+    if not is_complete(path):
+        raise CheckpointError(missing_checkpoint_message(name_or_path, path))
+    try:
+        return load_toml(ModelConfig, path / "model.toml")
+    except ConfigError as e:
+        raise CheckpointError(f"checkpoint {path} has an invalid model.toml: {e}") from None
+
+
 def load_model(name_or_path: str | os.PathLike, dtype: str | None = None) -> LoadedModel:
     """Loads config, weights and tokenizer of a checkpoint (by preset name or directory). `dtype`
     ("float32", "bfloat16", ...) casts the weights and the model's compute to it; None keeps the
     checkpoint's."""
     path = resolve_checkpoint_dir(name_or_path)
-    if not is_complete(path):
-        raise CheckpointError(missing_checkpoint_message(name_or_path, path))
-    try:
-        config = load_toml(ModelConfig, path / "model.toml")
-    except ConfigError as e:
-        raise CheckpointError(f"checkpoint {path} has an invalid model.toml: {e}") from None
+    config = read_model_config(name_or_path)
     if dtype is not None:
         config = dataclasses.replace(config, dtype=dtype)
     model = abstract_decoder(config)

@@ -11,8 +11,10 @@ import dataclasses
 import sys
 from typing import Sequence
 
+import jax
+
 from orca_jax.checkpoint.convert import ensure_pulled
-from orca_jax.checkpoint.store import LoadedModel, load_model
+from orca_jax.checkpoint.store import LoadedModel, load_model, read_model_config
 from orca_jax.config import ConfigError, EngineConfig
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.engine.runner import ModelRunner
@@ -53,7 +55,13 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
     if loaded is None:
         if distributed is None:  # several processes pulling into one folder would race: pull first
             ensure_pulled(config.model, log=lambda message: print(message, file=sys.stderr))
-        loaded = load_model(config.model, dtype=None if config.dtype == "auto" else config.dtype)
+        stored = read_model_config(config.model)
+        platform = devices[0].platform if devices else jax.default_backend()
+        dtype = run_dtype(config.dtype, stored.dtype, platform)
+        if dtype != stored.dtype and config.dtype == "auto" and options.show_progress:
+            print(f"orca_jax: {stored.name} is stored in {stored.dtype}; running it in {dtype} on {platform}, "
+                  f"where {stored.dtype} is slower (--dtype {stored.dtype} keeps it)", file=sys.stderr)
+        loaded = load_model(config.model, dtype=dtype)
     elif config.dtype not in ("auto", loaded.config.dtype):
         raise ConfigError(f"dtype={config.dtype!r} but the given model is loaded in {loaded.config.dtype}; "
                           "load it with load_model(..., dtype=...)")
@@ -74,6 +82,16 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
         print(f"orca_jax: {model_config.name}, policy {config.scheduler.policy}, {runner.describe()}\n"
               f"{plan.one_line()}", file=sys.stderr)
     return runner, loaded, max_model_len
+
+
+def run_dtype(setting: str, stored: str, platform: str) -> str:
+    """The dtype a model runs in (weights, activations, KV pages). An explicit setting wins. `auto`
+    is the checkpoint's own dtype, except that a 16-bit checkpoint runs in float32 on CPU: XLA:CPU
+    computes bfloat16 2-8x slower than float32 (DESIGN.md), and widening is exact, so it costs
+    memory only. On a GPU `auto` keeps bfloat16, as a GPU user expects."""
+    if setting != "auto":
+        return setting
+    return "float32" if platform == "cpu" else stored
 
 
 def bucket_set(config: EngineConfig, options: BuildOptions) -> Buckets:

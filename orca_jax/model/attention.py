@@ -21,7 +21,7 @@ from jaxtyping import Array, Float, Int
 
 from orca_jax.model.layers import Dense
 from orca_jax.model.paged_attention import MASK_VALUE, paged_attention
-from orca_jax.model.rotary import Llama3Scaling, apply_rope
+from orca_jax.model.rotary import RopeScaling, apply_rope
 
 KVCache = tuple[jax.Array, jax.Array]  # one layer's (k_pages, v_pages), each [P, page, K, Dh]
 # (q [T,H,Dh], k [T,K,Dh], v [T,K,Dh], kv, meta, *, sm_scale) -> (out [T,H,Dh], kv): see paged_attention.
@@ -75,7 +75,7 @@ class Attention(nnx.Module):
         *,
         use_bias: bool,
         rope_theta: float | None,
-        rope_scaling: Llama3Scaling | None = None,
+        rope_scaling: RopeScaling | None = None,
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
     ):

@@ -10,7 +10,7 @@ from jaxtyping import Array, Float, Int
 from orca_jax.config import ModelConfig
 from orca_jax.model.attention import Attention, AttentionMetadata, KVCache, PagedAttention
 from orca_jax.model.paged_attention import paged_attention
-from orca_jax.model.rotary import Llama3Scaling
+from orca_jax.model.rotary import rope_scaling_of
 from orca_jax.model.layers import Embed, GeluMLP, LayerNorm, RMSNorm, SwiGLU
 
 # Every logical axis name a parameter may carry; the parallelism rules table maps each to a mesh
@@ -26,7 +26,7 @@ class DecoderLayer(nnx.Module):
         self.attn = Attention(
             config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
             use_bias=not llama, rope_theta=config.rope_theta if llama else None,
-            rope_scaling=Llama3Scaling.of(config), dtype=dtype, rngs=rngs,
+            rope_scaling=rope_scaling_of(config), dtype=dtype, rngs=rngs,
         )
         self.mlp_norm = norm(config.d_model, config.norm_eps, dtype)
         mlp = SwiGLU if llama else GeluMLP

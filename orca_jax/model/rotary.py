@@ -7,7 +7,8 @@ are converted to this one at import time (see checkpoint/gguf_import.py).
 Llama 3.x stretches the low frequencies for a longer context (`Llama3Scaling`): a pair whose
 wavelength 2 pi / inv_freq is longer than original_max_position / low_freq_factor tokens turns
 `factor` times slower; one shorter than original_max_position / high_freq_factor is kept; in between
-the two are blended linearly in original_max_position / wavelength.
+the two are blended linearly in original_max_position / wavelength. GGUF files carry the same scaling
+precomputed, as one divisor per pair (`FrequencyFactors`, llama.cpp's `rope_freqs` tensor).
 """
 
 from __future__ import annotations
@@ -28,28 +29,42 @@ class Llama3Scaling:
     high_freq_factor: float  # dimensionless
     original_max_position: int  # tokens
 
-    @staticmethod
-    def of(config: ModelConfig) -> Llama3Scaling | None:
-        if config.rope_scaling is None:
-            return None
+    def scale(self, inv_freq: Float[Array, " Dh/2"]) -> Float[Array, " Dh/2"]:
+        wavelength = 2 * math.pi / inv_freq  # tokens per turn
+        # 0 at the long-wavelength edge (fully scaled), 1 at the short one (kept).
+        ramp = (self.original_max_position / wavelength - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor)
+        blend = jnp.clip(ramp, 0.0, 1.0)
+        return (1 - blend) * inv_freq / self.factor + blend * inv_freq
+
+
+@dataclasses.dataclass(frozen=True)
+class FrequencyFactors:
+    factors: tuple[float, ...]  # one divisor per rotary pair, dimensionless (a tuple: hashable, static under jit)
+
+    def scale(self, inv_freq: Float[Array, " Dh/2"]) -> Float[Array, " Dh/2"]:
+        return inv_freq / jnp.asarray(self.factors, jnp.float32)
+
+
+RopeScaling = Llama3Scaling | FrequencyFactors
+
+
+def rope_scaling_of(config: ModelConfig) -> RopeScaling | None:
+    if config.rope_scaling == "llama3":
         return Llama3Scaling(config.rope_scaling_factor, config.rope_low_freq_factor, config.rope_high_freq_factor,
                              config.rope_original_max_position)
+    if config.rope_scaling == "freq_factors":
+        return FrequencyFactors(config.rope_freq_factors)
+    return None
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3Scaling | None = None) -> Float[Array, " Dh/2"]:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> Float[Array, " Dh/2"]:
     inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # [Dh/2]
-    if scaling is None:
-        return inv_freq
-    wavelength = 2 * math.pi / inv_freq  # tokens per turn
-    # 0 at the long-wavelength edge (fully scaled), 1 at the short one (kept).
-    ramp = (scaling.original_max_position / wavelength - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
-    blend = jnp.clip(ramp, 0.0, 1.0)
-    return (1 - blend) * inv_freq / scaling.factor + blend * inv_freq
+    return inv_freq if scaling is None else scaling.scale(inv_freq)
 
 
 def apply_rope(
-    x: Float[Array, "T N Dh"], positions: Int[Array, " T"], theta: float, scaling: Llama3Scaling | None = None
+    x: Float[Array, "T N Dh"], positions: Int[Array, " T"], theta: float, scaling: RopeScaling | None = None
 ) -> Float[Array, "T N Dh"]:
     inv_freq = rope_inv_freq(x.shape[-1], theta, scaling)  # [Dh/2]
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, Dh/2]

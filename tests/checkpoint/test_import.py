@@ -7,10 +7,13 @@ importer shows up as different logits.
 
 import dataclasses
 import json
+import math
 
 import gguf
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from safetensors.numpy import save_file
 from tokenizers import pre_tokenizers
@@ -31,8 +34,16 @@ MERGES = ["Ġ t", "h e", "Ġt he"]
 
 
 def logits(model, ids):
+    return logits_at(model, ids, 0)
+
+
+def logits_at(model, ids, first_position):
     ids = jnp.asarray(ids)
-    return np.asarray(model(ids, jnp.arange(len(ids)), jnp.zeros(len(ids), jnp.int32)))
+    positions = first_position + jnp.arange(len(ids))
+    out = np.asarray(model(ids, positions, jnp.zeros(len(ids), jnp.int32)))
+    # NaN would pass assert_allclose against NaN (an id outside the vocabulary embeds as NaN).
+    assert np.isfinite(out).all()
+    return out
 
 
 def llama_tensors(config, p, permute_qk):
@@ -58,10 +69,9 @@ def llama_tensors(config, p, permute_qk):
     return out
 
 
-def test_gguf_llama_import(tmp_path):
-    config = dataclasses.replace(load_model_preset("tiny"), vocab_size=len(TOKENS), bos_token_id=0, eos_token_id=1)
-    model = init_decoder(config, seed=4)
-    path = tmp_path / "model.gguf"
+def write_gguf_llama(path, config, model, *, matrix_dtype=np.float32, rope_freqs=None, rope_scaling_type=None):
+    """A llama GGUF as llama.cpp's converter writes one: Q/K rows permuted, norms in F32, Llama 3.x's
+    rope scaling as a `rope_freqs` tensor, other kinds as `llama.rope.scaling.type`."""
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(config.n_layers)
     writer.add_context_length(config.max_position)
@@ -71,6 +81,9 @@ def test_gguf_llama_import(tmp_path):
     writer.add_head_count_kv(config.n_kv_heads)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.norm_eps)
+    if rope_scaling_type is not None:
+        writer.add_rope_scaling_type(rope_scaling_type)
+        writer.add_rope_scaling_factor(4.0)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(TOKENS)
@@ -80,15 +93,28 @@ def test_gguf_llama_import(tmp_path):
     writer.add_eos_token_id(1)
     writer.add_chat_template("{% for m in messages %}<|start|>{{ m['content'] }}<|end|>{% endfor %}")
     for name, array in llama_tensors(config, params_of(model), permute_qk=True).items():
-        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=matrix_dtype if array.ndim == 2 else np.float32))
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def gguf_tiny_config():
+    return dataclasses.replace(load_model_preset("tiny"), vocab_size=len(TOKENS), bos_token_id=0, eos_token_id=1)
+
+
+def test_gguf_llama_import(tmp_path):
+    config = gguf_tiny_config()
+    model = init_decoder(config, seed=4)
+    path = write_gguf_llama(tmp_path / "model.gguf", config, model)
 
     loaded = load_model(convert(path, "imported", tmp_path / "out"))
     assert loaded.config == dataclasses.replace(config, name="imported", norm_eps=float(np.float32(config.norm_eps)))
-    ids = [5, 80, 259, 3, 261, 100]
+    ids = [5, 80, 259, 3, 260, 100]  # 260 = the last id; 261 would be out of the vocabulary
     np.testing.assert_allclose(logits(loaded.model, ids), logits(model, ids), atol=1e-5)
 
     tok = loaded.tokenizer
@@ -98,13 +124,33 @@ def test_gguf_llama_import(tmp_path):
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|start|>hi<|end|>"
 
 
-def write_hf_folder(folder, config_json, tensors):
+def test_gguf_f16_weights_keep_their_dtype(tmp_path):
+    config = gguf_tiny_config()
+    model = init_decoder(config, seed=4)
+    out = convert(write_gguf_llama(tmp_path / "model.gguf", config, model, matrix_dtype=np.float16), "f16",
+                  tmp_path / "out")
+    loaded = load_model(out)
+    assert loaded.config.dtype == "float16"
+    assert stored_dtypes(out) == {"float16"}  # the F32 norms too: the model computes in one dtype
+    original, restored = params_of(model), params_of(loaded.model)
+    for name in ("embed.embedding", "layers.1.mlp.down.kernel", "final_norm.scale"):
+        np.testing.assert_array_equal(restored[name], original[name].astype(np.float16), err_msg=name)
+
+
+def stored_dtypes(checkpoint):
+    """The dtypes the orbax checkpoint holds on disk (not what loading casts them to)."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        metadata = checkpointer.metadata(checkpoint / "params")
+    return {str(m.dtype) for m in dict(getattr(metadata, "item_metadata", metadata)).values()}
+
+
+def write_hf_folder(folder, config_json, tensors, dtype=np.float32):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config_json))
-    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}, folder / "model.safetensors")
+    save_file({k: np.ascontiguousarray(v, dtype=dtype) for k, v in tensors.items()}, folder / "model.safetensors")
 
 
-def write_hf_llama_folder(folder, config, model, **extra_config):
+def write_hf_llama_folder(folder, config, model, dtype=np.float32, **extra_config):
     gguf_to_hf = {
         "token_embd": "model.embed_tokens", "output_norm": "model.norm", "attn_norm": "input_layernorm",
         "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -125,7 +171,7 @@ def write_hf_llama_folder(folder, config, model, **extra_config):
         "max_position_embeddings": config.max_position, "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta, "tie_word_embeddings": True,
         "bos_token_id": config.bos_token_id, "eos_token_id": [config.eos_token_id],
-    } | extra_config, tensors)
+    } | extra_config, tensors, dtype)
 
 
 def test_hf_llama_import(tmp_path):
@@ -138,14 +184,43 @@ def test_hf_llama_import(tmp_path):
     np.testing.assert_allclose(logits(loaded.model, ids), logits(model, ids), atol=1e-5)
 
 
+@pytest.mark.parametrize("declared", [True, False], ids=["torch_dtype", "from-tensors"])
+def test_hf_bfloat16_checkpoint_is_stored_as_bfloat16(tmp_path, declared):
+    """No widening at import: a bf16 checkpoint stays bf16 on disk and loads bf16 by default; its
+    dtype comes from torch_dtype, or, without it, from the tensors."""
+    config = load_model_preset("tiny")
+    model = init_decoder(config, seed=5)
+    extra = {"torch_dtype": "bfloat16"} if declared else {}
+    write_hf_llama_folder(tmp_path / "hf", config, model, dtype=ml_dtypes.bfloat16, **extra)
+    out = convert(tmp_path / "hf", "hf-bf16", tmp_path / "out")
+    assert stored_dtypes(out) == {"bfloat16"}
+    loaded = load_model(out)
+    assert loaded.config == dataclasses.replace(config, name="hf-bf16", dtype="bfloat16")
+    original, restored = params_of(model), params_of(loaded.model)
+    for name in original:
+        assert restored[name].dtype == ml_dtypes.bfloat16, name
+        np.testing.assert_array_equal(restored[name], original[name].astype(ml_dtypes.bfloat16), err_msg=name)
+    # Loading may still widen it (what --dtype float32 and auto on CPU do): exactly, no rounding.
+    widened = params_of(load_model(out, dtype="float32").model)
+    np.testing.assert_array_equal(widened["layers.0.attn.q.kernel"], restored["layers.0.attn.q.kernel"].astype(np.float32))
+
+
+def test_hf_float32_checkpoint_stays_float32_and_odd_dtypes_are_refused(tmp_path):
+    config = load_model_preset("tiny")
+    model = init_decoder(config, seed=5)
+    write_hf_llama_folder(tmp_path / "hf", config, model, torch_dtype="float32")
+    out = convert(tmp_path / "hf", "hf-f32", tmp_path / "out")
+    assert stored_dtypes(out) == {"float32"} and load_model(out).config.dtype == "float32"
+    write_hf_llama_folder(tmp_path / "hf8", config, model, torch_dtype="float8_e4m3fn")
+    with pytest.raises(ValueError, match="weights in float8_e4m3fn are not supported; supported: "
+                                         "\\['float32', 'bfloat16', 'float16'\\]"):
+        convert(tmp_path / "hf8", "m", tmp_path / "out8")
+
+
 LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32, "rope_type": "llama3"}
 
 
-def logits_at(model, ids, first_position):
-    ids = jnp.asarray(ids)
-    positions = first_position + jnp.arange(len(ids))
-    return np.asarray(model(ids, positions, jnp.zeros(len(ids), jnp.int32)))
 
 
 def test_hf_llama3_rope_scaling_reaches_the_model(tmp_path):
@@ -180,6 +255,55 @@ def test_other_rope_scaling_kinds_are_refused(tmp_path, rope_scaling):
     write_hf_llama_folder(tmp_path / "hf", config, init_decoder(config, seed=1), rope_scaling=rope_scaling)
     with pytest.raises(ValueError, match="is not supported; the supported one is 'llama3'"):
         convert(tmp_path / "hf", "m", tmp_path / "out")
+
+
+def llama_cpp_rope_freqs(head_dim, theta, rope_scaling):
+    """llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors): the factors it writes
+    as `rope_freqs` for rope_type llama3, transcribed branch by branch."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    factor, low, high = rope_scaling["factor"], rope_scaling["low_freq_factor"], rope_scaling["high_freq_factor"]
+    old_context_len = rope_scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_gguf_llama3_rope_freqs_give_the_hf_llama3_model(tmp_path):
+    """A Llama 3.x GGUF (rope_freqs tensor) and the HF folder it came from (rope_scaling llama3) are
+    the same model: same logits at far positions, where the scaling matters."""
+    config = gguf_tiny_config()  # head_dim 16, theta 1e4: one pair kept, one blended, six scaled
+    model = init_decoder(config, seed=9)
+    factors = llama_cpp_rope_freqs(config.head_dim, config.rope_theta, LLAMA3_ROPE)
+    assert factors[0] == 1 and 1 < factors[1] < 8 and set(factors[2:]) == {8}
+    from_gguf = load_model(convert(write_gguf_llama(tmp_path / "m.gguf", config, model, rope_freqs=factors), "g",
+                                   tmp_path / "out-gguf"))
+    assert from_gguf.config.rope_scaling == "freq_factors"
+    assert from_gguf.config.rope_freq_factors == tuple(float(f) for f in factors)
+    write_hf_llama_folder(tmp_path / "hf", config, model, rope_scaling=LLAMA3_ROPE)
+    from_hf = load_model(convert(tmp_path / "hf", "h", tmp_path / "out-hf"))
+    ids = [5, 80, 259, 3, 260, 100]  # 260 = the last id; 261 would be out of the vocabulary
+    far = logits_at(from_gguf.model, ids, 1000)
+    np.testing.assert_allclose(far, logits_at(from_hf.model, ids, 1000), atol=1e-5)
+    plain = load_model(convert(write_gguf_llama(tmp_path / "p.gguf", config, model), "p", tmp_path / "out-plain"))
+    assert np.abs(far - logits_at(plain.model, ids, 1000)).max() > 1e-2  # the factors are applied
+
+
+@pytest.mark.parametrize("kind", [gguf.RopeScalingType.LINEAR, gguf.RopeScalingType.YARN])
+def test_gguf_rope_scaling_kinds_not_implemented_are_refused(tmp_path, kind):
+    config = gguf_tiny_config()
+    path = write_gguf_llama(tmp_path / "m.gguf", config, init_decoder(config, seed=1), rope_scaling_type=kind)
+    with pytest.raises(ValueError, match=f"rope scaling type '{kind.value}' \\(llama.rope.scaling.type\\) is not "
+                                         "supported; supported: plain RoPE and Llama 3.x frequency factors"):
+        convert(path, "m", tmp_path / "out")
 
 
 def test_hf_gpt2_import(tmp_path):
