@@ -24,7 +24,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import sys
 import time
 from typing import Any, Callable
@@ -37,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Int
 from tqdm.auto import tqdm
 
-from orca_jax.config import REPO_ROOT, ConfigError, ParallelConfig
+from orca_jax.config import ConfigError, ParallelConfig, compilation_cache_dir
 from orca_jax.engine.scheduler import SchedulerOutput
 from orca_jax.engine.step_plan import (Buckets, KVLayout, RunnerLost, SampledToken, StepPlan, build_step_plan,
                                        padding_plan, sampled_tokens)
@@ -59,8 +58,7 @@ def enable_compilation_cache() -> None:
     $ORCA_JAX_COMPILATION_CACHE overrides the location; an explicit jax config setting wins."""
     if jax.config.jax_compilation_cache_dir:
         return
-    path = os.environ.get("ORCA_JAX_COMPILATION_CACHE", str(REPO_ROOT / ".jax_cache"))
-    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_compilation_cache_dir", str(compilation_cache_dir()))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
