@@ -30,7 +30,7 @@ def compilation_cache_dir() -> Path:
 Architecture = Literal["llama", "gpt2"]
 DType = Literal["float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["static", "orca", "paged", "chunked"]
-AttentionImpl = Literal["auto", "pallas", "xla"]
+AttentionImpl = Literal["auto", "native", "pallas", "xla"]
 DTypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
 
 

@@ -52,7 +52,7 @@ SYMBOL = "OrcaRaggedPagedAttention"
 # -fopenmp-simd: honour the source's `omp simd` reductions (vectorised without -ffast-math), no
 # OpenMP runtime. The instruction sets are chosen per function inside the source.
 CXX_FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp-simd", "-fvisibility=hidden")
-INSTALL_HINT = "install a C++17 compiler (e.g. `apt-get install g++`) or point $CXX at one"
+INSTALL_HINT = "install g++ 11 or later (e.g. `apt-get install g++`) or point $CXX at a C++20 compiler"
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
 
 __all__ = ["ragged_paged_attention_native", "ragged_paged_attention_reference", "unavailable_reason"]
