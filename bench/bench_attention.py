@@ -1,12 +1,16 @@
-"""Ragged paged attention: the Pallas kernel against the XLA implementation and the reference.
+"""Ragged paged attention: the kernels (Pallas; native C++ on CPU) against the XLA implementation
+and the reference.
 
     python bench/bench_attention.py                 # CPU: SmolLM2 shapes, f32, Pallas in interpret mode
     python bench/bench_attention.py --shape 13b     # GPU: a GPT-3 13B-like layer (40 heads x 128), bf16
 
-For each batch kind (decode-heavy, prefill-heavy, mixed) it checks every implementation against
-`ragged_paged_attention_reference` and times it; prints a table and saves
-bench/results/attention_<backend>_new.json (or --out; the committed figures are attention_<backend>.json). On GPU the kernel is compiled with Triton; elsewhere it runs
-in interpret mode (a correctness path, not a fast one).
+For each batch kind (decodes over 256 and 512 cached tokens, a prefill, mixed) it checks every
+implementation against `ragged_paged_attention_reference` and times it; prints a table and saves
+bench/results/attention_<backend>_new.json (or --out; the committed figures are attention_<backend>.json).
+On GPU the kernel is compiled with Triton; elsewhere it runs in interpret mode (a correctness path,
+not a fast one). For decode batches each row also gives the effective bandwidth of the cached-context
+read (K and V bytes of every decode token's context / time), printed beside the machine's copy
+bandwidth measured here with numpy, so a reader sees how close to memory speed the read runs.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 
 from orca_jax.model.paged_attention import ragged_paged_attention_xla
 from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
+from pallas_kernels.native import ragged_paged_attention_native, unavailable_reason
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {  # heads, kv heads, head dim, dtype
@@ -30,10 +35,18 @@ SHAPES = {  # heads, kv heads, head dim, dtype
 }
 
 
+BATCHES = {  # [(kv_len, new tokens)] per sequence; decode tokens first, as the engine orders them
+    "decode 64x256": [(256, 1)] * 64,
+    "decode 64x512": [(512, 1)] * 64,
+    "prefill 512": [(512, 512)],
+    "mixed": [(512, 1)] * 32 + [(480, 480)],
+}
+
+
 def batch(kind: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype, page_size: int = 16, seed: int = 0):
-    """decode: 64 sequences x 1 new token, 512 cached; prefill: one 512-token prompt;
-    mixed: 32 decodes (512 cached) + a 480-token prompt. Decode tokens come first, as the engine orders them."""
-    seqs = {"decode": [(512, 1)] * 64, "prefill": [(512, 512)], "mixed": [(512, 1)] * 32 + [(480, 480)]}[kind]
+    """decode: 64 sequences x 1 new token over 256 or 512 cached; prefill: one 512-token prompt;
+    mixed: 32 decodes (512 cached) + a 480-token prompt."""
+    seqs = BATCHES[kind]
     rng = np.random.default_rng(seed)
     max_pages = 512 // page_size + 1
     num_pages = len(seqs) * max_pages
@@ -45,6 +58,28 @@ def batch(kind: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype, pa
     v = jnp.asarray(rng.normal(size=(num_pages, page_size, num_kv_heads, head_dim)), dtype)
     lens = np.array([n for n, _ in seqs], np.int32)
     return q, k, v, jnp.asarray(segments), jnp.asarray(positions), jnp.asarray(tables), jnp.asarray(lens)
+
+
+def context_bytes(inputs) -> int:
+    """K and V bytes of the cached context the decode tokens (single-token segments) read."""
+    q, k_pages, _, segments, positions, _, _ = inputs
+    segments, positions = np.asarray(segments), np.asarray(positions)
+    decodes = np.bincount(segments)[segments] == 1
+    _, _, num_kv_heads, head_dim = k_pages.shape
+    return int(positions[decodes].sum()) * num_kv_heads * head_dim * k_pages.dtype.itemsize * 2
+
+
+def copy_bandwidth(nbytes: int = 1 << 28, repeat: int = 5) -> float:
+    """Bytes per second a numpy copy of a large array moves (its reads plus its writes), best of
+    `repeat`: the machine's practical memory speed for one thread."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
 
 
 def timed(fn, args, repeat: int) -> float:
@@ -68,29 +103,42 @@ def main() -> None:
     repeat = args.repeat or (20 if backend == "gpu" else 3)
     scale = 1.0 / head_dim ** 0.5
     on_gpu = backend == "gpu"
-    impls = {
-        "xla": jax.jit(lambda *a: ragged_paged_attention_xla(*a, sm_scale=scale)),
-        "pallas" if on_gpu else "pallas-interpret":
-            lambda *a: ragged_paged_attention(*a, sm_scale=scale, interpret=not on_gpu),
-    }
+    impls = {"xla": jax.jit(lambda *a: ragged_paged_attention_xla(*a, sm_scale=scale))}
+    if backend == "cpu":
+        reason = unavailable_reason()
+        if reason is None:
+            impls["native"] = lambda *a: ragged_paged_attention_native(*a, sm_scale=scale)
+        else:
+            print(f"native: not available ({reason})")
+    impls["pallas" if on_gpu else "pallas-interpret"] = \
+        lambda *a: ragged_paged_attention(*a, sm_scale=scale, interpret=not on_gpu)
     reference = jax.jit(lambda *a: ragged_paged_attention_reference(*a, sm_scale=scale))
     tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+    copy_gbps = copy_bandwidth() / 1e9
+    print(f"memory: a numpy copy moves {copy_gbps:.1f} GB/s (reads + writes, one thread)")
     rows = []
-    for kind in ("decode", "prefill", "mixed"):
+    for kind in BATCHES:
         inputs = batch(kind, num_heads, num_kv_heads, head_dim, dtype)
         want = np.asarray(reference(*inputs), np.float32)
+        context = context_bytes(inputs) if kind.startswith("decode") else 0
         for name, fn in impls.items():
             got = np.asarray(fn(*inputs), np.float32)
             error = float(np.abs(got - want).max())
             seconds = timed(fn, inputs, repeat)
-            rows.append({"batch": kind, "impl": name, "ms": 1000 * seconds, "max_abs_error": error,
-                         "correct": error <= tolerance * max(1.0, float(np.abs(want).max()))})
-            print(f"{kind:8s} {name:17s} {1000 * seconds:9.2f} ms   max |error| {error:.2e}  "
-                  f"{'ok' if rows[-1]['correct'] else 'WRONG'}", flush=True)
+            row = {"batch": kind, "impl": name, "ms": 1000 * seconds, "max_abs_error": error,
+                   "correct": error <= tolerance * max(1.0, float(np.abs(want).max()))}
+            read = ""
+            if context:
+                row["context_gb_per_s"] = context / seconds / 1e9
+                read = f"  context read {row['context_gb_per_s']:5.1f} GB/s (copy {copy_gbps:.1f})"
+            rows.append(row)
+            print(f"{kind:14s} {name:17s} {1000 * seconds:9.2f} ms   max |error| {error:.2e}  "
+                  f"{'ok' if row['correct'] else 'WRONG'}{read}", flush=True)
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"backend": backend, "jax": jax.__version__, "shape": shape,
-                               "dtype": str(jnp.dtype(dtype)), "rows": rows}, indent=2) + "\n")
+                               "dtype": str(jnp.dtype(dtype)), "copy_gb_per_s": copy_gbps, "rows": rows},
+                              indent=2) + "\n")
     print(f"saved {out}")
 
 

@@ -155,7 +155,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int,
                        help="tokens per sequence, prompt + output (default: the model's context length); a shorter "
                             "one lets orca/static reserve less KV per request")
-    group.add_argument("--attention-impl", choices=["auto", "xla", "pallas"])
+    group.add_argument("--attention-impl", choices=["auto", "native", "xla", "pallas"])
     group.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                        help="weights, activations and KV pages (auto: the checkpoint's own dtype, but float32 on CPU, "
                             "where bfloat16 is slower; bfloat16 halves weights and KV pages)")

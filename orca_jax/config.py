@@ -8,6 +8,7 @@ This module does not import jax.
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 import types
 import typing
@@ -20,11 +21,17 @@ CONFIG_DIR = REPO_ROOT / "configs"
 MODEL_PRESET_DIR = CONFIG_DIR / "models"
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
+
+def compilation_cache_dir() -> Path:
+    """The one directory of every on-disk cache (JAX's compilations, the native kernel's build):
+    $ORCA_JAX_COMPILATION_CACHE, else .jax_cache/ in the repository."""
+    return Path(os.environ.get("ORCA_JAX_COMPILATION_CACHE", str(REPO_ROOT / ".jax_cache")))
+
 Architecture = Literal["llama", "gpt2"]
 RopeScalingKind = Literal["llama3", "freq_factors"]
 DType = Literal["float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["static", "orca", "paged", "chunked"]
-AttentionImpl = Literal["auto", "pallas", "xla"]
+AttentionImpl = Literal["auto", "native", "pallas", "xla"]
 DTypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
 
 

@@ -21,6 +21,22 @@ NUM_TEST_DEVICES = 6
 jax.config.update("jax_num_cpu_devices", NUM_TEST_DEVICES)
 
 
+def require_native() -> None:
+    """Skips when the native kernel cannot be built for want of a compiler; fails when it should
+    build and does not (a broken build must not pass as a skip)."""
+    import os
+    import shutil
+
+    from pallas_kernels.native import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is None:
+        return
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip(reason)
+    pytest.fail(reason)
+
+
 @pytest.fixture(scope="session")
 def smollm2_reference() -> dict:
     path = FIXTURES / "smollm2_reference.json"
@@ -80,8 +96,10 @@ def warm_smollm2_runner(smollm2, tp=1, pp=1):
     from orca_jax.engine.runner import ModelRunner
     from orca_jax.engine.step_plan import Buckets
 
+    # "auto": what users get (the native kernel on CPU when it builds), so the reference and
+    # batch-invariance tests on the real model cover it, alone and per shard under tp.
     runner = ModelRunner(smollm2.model, num_pages=96, page_size=16, max_model_len=2048,
-                         buckets=Buckets(tokens=(32, 128), seqs=(8,)), attention_impl="xla",
+                         buckets=Buckets(tokens=(32, 128), seqs=(8,)), attention_impl="auto",
                          parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp))
     runner.warm_up(show_progress=False)
     return runner
@@ -96,6 +114,13 @@ def tiny_runner(tiny_trained):
 def tiny_pallas_runner(tiny_trained):
     """The same runner with the Pallas kernel, run in interpret mode (CPU)."""
     return warm_tiny_runner(tiny_trained, "pallas-interpret")
+
+
+@pytest.fixture(scope="session")
+def tiny_native_runner(tiny_trained):
+    """The same runner with the native C++ kernel."""
+    require_native()
+    return warm_tiny_runner(tiny_trained, "native")
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ import jaxlib
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 
-from orca_jax.config import REPO_ROOT
+from orca_jax.config import REPO_ROOT, compilation_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +39,11 @@ MAGIC = b"orca_jax executable v1\n"
 SOURCE_DIRS = ("orca_jax", "pallas_kernels")
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("ORCA_JAX_COMPILATION_CACHE") or REPO_ROOT / ".jax_cache")
-
-
 def enable_compilation_cache() -> None:
     """JAX's persistent compilation cache under the cache root; an explicit jax setting wins."""
     if jax.config.jax_compilation_cache_dir:
         return
-    jax.config.update("jax_compilation_cache_dir", str(cache_root()))
+    jax.config.update("jax_compilation_cache_dir", str(compilation_cache_dir()))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
@@ -108,7 +104,7 @@ class ExecutableStore:
 
     @classmethod
     def default(cls) -> "ExecutableStore":
-        return cls(cache_root() / "executables")
+        return cls(compilation_cache_dir() / "executables")
 
     def header(self, name: str, args, depends_on: str) -> str:
         """Everything the program `name` compiled for `args` depends on, as canonical text."""

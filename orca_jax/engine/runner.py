@@ -135,7 +135,7 @@ class ModelRunner:
         step_timeout: float | None = None,
         executable_store: ExecutableStore | None = None,
     ):
-        """`attention_impl`: "auto", "xla", "pallas" or "pallas-interpret", resolved here for the
+        """`attention_impl`: "auto", "native", "xla", "pallas" or "pallas-interpret", resolved here for the
         devices' platform. `devices` (default: all of jax.devices(), every process's) are split
         into pp x tp. `step_timeout`: seconds to wait for a step's result from other processes
         before raising RunnerLost (multi-host only; warm-up allows ten times as long). Compiled

@@ -19,9 +19,16 @@ consecutive, ending at kv_lens - 1. For speed (not correctness) decode tokens co
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
+
+from orca_jax.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 # Finite, so a row with every key masked gives zeros instead of NaN (exp(-inf - -inf) = NaN).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -135,12 +142,20 @@ def _pallas(interpret: bool):
     return call
 
 
+def _native(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens, *, sm_scale):
+    from pallas_kernels.native import ragged_paged_attention_native
+
+    return ragged_paged_attention_native(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens,
+                                         sm_scale=sm_scale)
+
+
 # "pallas" compiles the kernel (Triton on GPU); "pallas-interpret" runs its body as plain JAX on any
-# backend (slow: for checking the kernel inside the engine on CPU).
+# backend (slow: for checking the kernel inside the engine on CPU); "native" is the C++ CPU kernel.
 ATTENTION_IMPLS = {
     "xla": ragged_paged_attention_xla,
     "pallas": _pallas(interpret=False),
     "pallas-interpret": _pallas(interpret=True),
+    "native": _native,
 }
 
 
@@ -148,18 +163,46 @@ def resolve_attention_impl(requested: str, platform: str) -> str:
     """Picks the implementation for a device platform ("cpu", "gpu", ...), once, when the step
     function is built.
 
-    auto: the Pallas kernel on GPU; the XLA implementation elsewhere, because on CPU Pallas only
-    runs in interpret mode, which is far slower (see README, "Attention implementations").
+    auto: the Pallas kernel on GPU; on CPU the native kernel when it builds and loads, else the XLA
+    implementation (one warning says why), since Pallas only interprets there, far slower (see
+    README, "Attention implementations").
     pallas: compiled on GPU; in interpret mode elsewhere (correct, slow).
+    native: the C++ CPU kernel; an error, saying why, when it cannot be built or on another platform.
     xla, pallas-interpret: as named.
     """
     if requested in ("xla", "pallas-interpret"):
         return requested
     if requested == "pallas":
         return "pallas" if platform == "gpu" else "pallas-interpret"
+    if requested == "native":
+        if platform != "cpu":
+            raise ConfigError(f"attention_impl='native' runs on CPU only, not on {platform!r}")
+        reason = _native_unavailable()
+        if reason is not None:
+            raise ConfigError(f"attention_impl='native': {reason}")
+        return "native"
     if requested == "auto":
-        return "pallas" if platform == "gpu" else "xla"
-    raise ValueError(f"attention_impl={requested!r}; choose 'auto', 'pallas' or 'xla'")
+        if platform == "gpu":
+            return "pallas"
+        if platform != "cpu":
+            return "xla"
+        reason = _native_unavailable()
+        if reason is None:
+            return "native"
+        _warn_fallback(reason)
+        return "xla"
+    raise ValueError(f"attention_impl={requested!r}; choose 'auto', 'native', 'pallas' or 'xla'")
+
+
+def _native_unavailable() -> str | None:
+    from pallas_kernels.native import unavailable_reason
+
+    return unavailable_reason()
+
+
+@functools.cache  # one line per process and reason, however many runners are built
+def _warn_fallback(reason: str) -> None:
+    log.warning("native CPU attention unavailable, using the XLA implementation (slower): %s", reason)
 
 
 def paged_attention(q: Float[Array, "T H Dh"], k: Float[Array, "T K Dh"], v: Float[Array, "T K Dh"],

@@ -1,4 +1,6 @@
-"""The model with the paged KV cache (XLA attention) against the full-sequence forward pass."""
+"""The model with the paged KV cache (XLA and native attention) against the full-sequence forward pass."""
+
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -8,20 +10,26 @@ from flax import nnx
 from orca_jax.config import load_model_preset
 from orca_jax.model import AttentionMetadata
 from orca_jax.model.decoder import init_decoder
-from orca_jax.model.paged_attention import ragged_paged_attention_xla
+from orca_jax.model.paged_attention import ATTENTION_IMPLS, paged_attention
+
+from ..conftest import require_native
 
 PAGE = 4
+IMPLS = ["xla", "native"]
 
 
-@nnx.jit
-def paged_forward(model, token_ids, meta, kv):
-    return model.forward(token_ids, meta, kv)
+@functools.partial(nnx.jit, static_argnames="impl")
+def paged_forward(model, token_ids, meta, kv, impl):
+    return model.forward(token_ids, meta, kv, attention=functools.partial(paged_attention, impl=impl))
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])
-def test_chunked_paged_forward_equals_full_forward(preset):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_paged_forward_equals_full_forward(preset, impl):
     """Two sequences fed in uneven chunks (prefill pieces, then single decode tokens) on shuffled
     pages give the logits of one full-sequence pass each."""
+    if impl == "native":
+        require_native()
     config = load_model_preset(preset)
     model = init_decoder(config, seed=7)
     rng = np.random.default_rng(0)
@@ -52,7 +60,7 @@ def test_chunked_paged_forward_equals_full_forward(preset):
             block_tables=jnp.asarray(tables),
             kv_lens=jnp.array([done[0] + step[0], done[1] + step[1]], jnp.int32),
         )
-        logits, kv = paged_forward(model, jnp.array(ids + [0] * pad, jnp.int32), meta, kv)
+        logits, kv = paged_forward(model, jnp.array(ids + [0] * pad, jnp.int32), meta, kv, impl)
         logits = np.asarray(logits)
         t = 0
         for s, n in enumerate(step):
@@ -63,11 +71,14 @@ def test_chunked_paged_forward_equals_full_forward(preset):
     assert done == lengths
 
 
-def test_padding_tokens_give_zeros_and_no_nan():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_padding_tokens_give_zeros_and_no_nan(impl):
+    if impl == "native":
+        require_native()
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.normal(size=(6, 4, 8)), jnp.float32)
     pages = jnp.asarray(rng.normal(size=(5, PAGE, 2, 8)), jnp.float32)
-    out = ragged_paged_attention_xla(
+    out = ATTENTION_IMPLS[impl](
         q, pages, pages, segment_ids=jnp.array([0, 0, 1, 1, 1, 1]), positions=jnp.array([3, 4, 0, 0, 0, 0]),
         block_tables=jnp.array([[2, 0]]), kv_lens=jnp.array([5]), sm_scale=0.3)
     out = np.asarray(out)

@@ -1,10 +1,29 @@
-"""The Pallas kernel (interpret mode on CPU) against the pure-jnp reference of the contract."""
+"""The implementations of the kernel contract against its pure-jnp reference: the Pallas kernel
+(interpret mode on CPU), the native C++ kernel and, where its precondition holds, the XLA path."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from orca_jax.model.paged_attention import ragged_paged_attention_xla
 from pallas_kernels import BlockSizes, ragged_paged_attention, ragged_paged_attention_reference
+from pallas_kernels.native import ragged_paged_attention_native
+
+from ..conftest import require_native
+
+# The XLA path assumes the engine's calls (a segment's tokens are its latest positions, consecutive),
+# which every batch of make_batch is; it joins the tests whose batches are not edited by hand.
+KERNELS = ["pallas-interpret", "native"]
+
+
+def attend(impl, *args, sm_scale, block_sizes=BlockSizes()):
+    if impl == "pallas-interpret":
+        return ragged_paged_attention(*args, sm_scale=sm_scale, block_sizes=block_sizes, interpret=True)
+    if impl == "native":
+        require_native()
+        return ragged_paged_attention_native(*args, sm_scale=sm_scale)
+    assert impl == "xla"
+    return ragged_paged_attention_xla(*args, sm_scale=sm_scale)
 
 
 def make_batch(rng, *, page_size, num_heads, num_kv_heads, head_dim, seqs, dtype=jnp.float32, shuffle_tokens=False):
@@ -34,9 +53,9 @@ def make_batch(rng, *, page_size, num_heads, num_kv_heads, head_dim, seqs, dtype
             jnp.asarray(positions), jnp.asarray(tables), jnp.asarray(kv_lens))
 
 
-def check(args, *, tolerance, block_sizes=BlockSizes()):
+def check(args, *, tolerance, impl="pallas-interpret", block_sizes=BlockSizes()):
     scale = 1.0 / np.sqrt(args[0].shape[-1])
-    got = ragged_paged_attention(*args, sm_scale=scale, block_sizes=block_sizes, interpret=True)
+    got = attend(impl, *args, sm_scale=scale, block_sizes=block_sizes)
     want = ragged_paged_attention_reference(*args, sm_scale=scale)
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.all(np.isfinite(got))
@@ -53,22 +72,24 @@ def lengths(page):
 @pytest.mark.parametrize("page_size", [8, 16, 32])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2), (8, 2)])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_mixed_batch_matches_reference(page_size, num_heads, num_kv_heads, head_dim):
+@pytest.mark.parametrize("impl", KERNELS)
+def test_mixed_batch_matches_reference(page_size, num_heads, num_kv_heads, head_dim, impl):
     rng = np.random.default_rng(page_size * 1000 + num_heads * 10 + head_dim)
     decodes = [(n, 1) for n in lengths(page_size)]
     prefills = [(n, n) for n in lengths(page_size)]
     chunk = [(3 * page_size + 2, page_size + 1)]  # a chunk continuing after cached context
     args = make_batch(rng, page_size=page_size, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                       seqs=decodes + prefills + chunk)
-    check(args, tolerance=1e-5)
+    check(args, tolerance=1e-5, impl=impl)
 
 
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
-def test_decode_only_and_prefill_only(kind):
+@pytest.mark.parametrize("impl", KERNELS + ["xla"])
+def test_decode_only_and_prefill_only(kind, impl):
     rng = np.random.default_rng(1)
     seqs = [(n, 1 if kind == "decode" else n) for n in [1, 15, 16, 17, 70, 3]]
     args = make_batch(rng, page_size=16, num_heads=9, num_kv_heads=3, head_dim=64, seqs=seqs)
-    check(args, tolerance=1e-5)
+    check(args, tolerance=1e-5, impl=impl)
 
 
 def test_tokens_in_any_order_and_other_block_sizes():
@@ -77,17 +98,28 @@ def test_tokens_in_any_order_and_other_block_sizes():
     args = make_batch(rng, page_size=8, num_heads=4, num_kv_heads=2, head_dim=64, seqs=seqs, shuffle_tokens=True)
     for block_q in (1, 4, 32):
         check(args, tolerance=1e-5, block_sizes=BlockSizes(block_q=block_q))
+    check(args, tolerance=1e-5, impl="native")
 
 
-def test_bfloat16_within_a_looser_tolerance():
+@pytest.mark.parametrize("impl", KERNELS)
+def test_bfloat16_within_a_looser_tolerance(impl):
     """bf16 inputs, f32 accumulation: errors of a few bf16 ulps (2^-8 relative) on outputs of O(1)."""
     rng = np.random.default_rng(3)
     seqs = [(n, 1) for n in lengths(16)] + [(40, 40), (50, 7)]
     args = make_batch(rng, page_size=16, num_heads=8, num_kv_heads=2, head_dim=64, seqs=seqs, dtype=jnp.bfloat16)
-    check(args, tolerance=3e-2)
+    check(args, tolerance=3e-2, impl=impl)
 
 
-def test_fully_masked_blocks_give_no_nan():
+def test_native_bfloat16_pages_with_float32_queries():
+    """bf16 pages widen to f32 exactly and the math is f32, so f32 queries keep the f32 tolerance."""
+    rng = np.random.default_rng(6)
+    seqs = [(n, 1) for n in lengths(16)] + [(40, 40), (50, 7)]
+    q, k, v, *rest = make_batch(rng, page_size=16, num_heads=9, num_kv_heads=3, head_dim=128, seqs=seqs)
+    check((q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), *rest), tolerance=1e-5, impl="native")
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_fully_masked_blocks_give_no_nan(impl):
     """Regression for the -inf mask trap: a query block whose rows see no key in a whole page
     (the page lies beyond their positions, or belongs to a segment they do not see), and a row with
     no key at all, must give finite outputs (zeros for the empty row)."""
@@ -99,7 +131,7 @@ def test_fully_masked_blocks_give_no_nan():
     pos = pos.at[0].set(3)
     lens = lens.at[1].set(0)
     scale = 0.125
-    got = np.asarray(ragged_paged_attention(q, k, v, seg, pos, tables, lens, sm_scale=scale, interpret=True))
+    got = np.asarray(attend(impl, q, k, v, seg, pos, tables, lens, sm_scale=scale))
     assert np.all(np.isfinite(got))
     assert np.all(got[1] == 0)
     want = np.asarray(ragged_paged_attention_reference(q, k, v, seg, pos, tables, lens, sm_scale=scale))
@@ -113,7 +145,8 @@ def test_fully_masked_blocks_give_no_nan():
     (lambda a: {**a, "kv_lens": a["kv_lens"].astype(jnp.float32)}, "kv_lens must be integers"),
     (lambda a: {**a, "q": jnp.zeros((a["q"].shape[0], 3, 64))}, "multiple of KV heads"),
 ])
-def test_bad_inputs_are_named(change, message):
+@pytest.mark.parametrize("impl", KERNELS)
+def test_bad_inputs_are_named(change, message, impl):
     rng = np.random.default_rng(5)
     names = ["q", "k_pages", "v_pages", "segment_ids", "positions", "block_tables", "kv_lens"]
     args = dict(zip(names, make_batch(rng, page_size=8, num_heads=4, num_kv_heads=2, head_dim=64, seqs=[(5, 1)])))
@@ -121,4 +154,16 @@ def test_bad_inputs_are_named(change, message):
     if "k_pages" in message or "head dim" in message:
         bad["v_pages"] = bad["k_pages"]
     with pytest.raises(ValueError, match=message):
-        ragged_paged_attention(*[bad[n] for n in names], sm_scale=0.1, interpret=True)
+        attend(impl, *[bad[n] for n in names], sm_scale=0.1)
+
+
+@pytest.mark.parametrize("name", ["q", "k_pages"])
+def test_native_refuses_other_dtypes_naming_the_argument(name):
+    rng = np.random.default_rng(7)
+    names = ["q", "k_pages", "v_pages", "segment_ids", "positions", "block_tables", "kv_lens"]
+    args = dict(zip(names, make_batch(rng, page_size=8, num_heads=4, num_kv_heads=2, head_dim=64, seqs=[(5, 1)])))
+    args[name] = args[name].astype(jnp.float16)
+    if name == "k_pages":
+        args["v_pages"] = args["k_pages"]
+    with pytest.raises(ValueError, match=f"{name} must be float32 or bfloat16"):
+        ragged_paged_attention_native(*[args[n] for n in names], sm_scale=0.1)

@@ -45,7 +45,8 @@ def tiny_one_device_tokens(tiny_runner, tiny_trained):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("tp,pp,impl", [(2, 1, "xla"), (1, 2, "xla"), (2, 2, "xla"), (2, 2, "pallas-interpret")])
+@pytest.mark.parametrize("tp,pp,impl", [(2, 1, "xla"), (1, 2, "xla"), (2, 2, "xla"), (2, 2, "pallas-interpret"),
+                                        (2, 1, "native")])
 def test_tiny_layouts_give_the_one_device_tokens(tiny_layouts, tiny_trained, tiny_one_device_tokens, policy, tp, pp,
                                                  impl):
     runner = tiny_layouts(tp, pp, impl)

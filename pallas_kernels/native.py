@@ -1,0 +1,176 @@
+"""Ragged paged attention on the CPU in C++ (cpu/ragged_paged_attention.cc), called through jax.ffi.
+
+The kernel contract (DESIGN.md), as for the Pallas kernel:
+
+    ragged_paged_attention_native(q[T, Hq, Dh], k_pages[P, page, Hkv, Dh], v_pages[P, page, Hkv, Dh],
+                                  segment_ids[T], positions[T], block_tables[S, max_pages], kv_lens[S],
+                                  *, sm_scale) -> [T, Hq, Dh]
+
+Token t of segment s attends to the cached tokens of s at positions <= positions[t] and below
+kv_lens[s]; query head h reads KV head h // (Hq // Hkv); a token whose segment id is outside [0, S)
+is padding and gives zeros; tokens may come in any order. q and the output are float32 or bfloat16,
+the pages float32 or bfloat16 (converted to f32 as they are read); the math is f32.
+
+Layout of the computation (the .cc file says more): a work item is a run of up to 16 consecutive
+tokens of one segment times one KV head. It reads the segment's pages in place (no gather copy),
+scores each K row against the run's tokens x the G query heads of its KV head while the row is in
+L1, keeps an online softmax per row, and adds each V row to all rows at once. Decode attention thus
+reads each cached K/V byte once per step, which is what bounds it. Items run on XLA's intra-op
+thread pool.
+
+Build: g++ compiles the source on first use (or in `make setup`, `python -m pallas_kernels.native`)
+into `native/` under the one cache directory ($ORCA_JAX_COMPILATION_CACHE, default .jax_cache/),
+named by a hash of the source, flags, compiler and jax versions; a file lock and an atomic rename keep
+concurrent processes from building twice or loading half a file. No -march=native: the library holds
+AVX-512, AVX2 and baseline code and picks at load, so it may be copied between x86 machines.
+`unavailable_reason()` says why the library cannot be used (no compiler, failed build); callers
+then fall back to the XLA path (orca_jax.model.paged_attention).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+from pallas_kernels.ragged_paged_attention import _validate, ragged_paged_attention_reference
+
+SOURCE = Path(__file__).resolve().parent / "cpu" / "ragged_paged_attention.cc"
+TARGET = "orca_ragged_paged_attention"
+SYMBOL = "OrcaRaggedPagedAttention"
+# -fopenmp-simd: honour the source's `omp simd` reductions (vectorised without -ffast-math), no
+# OpenMP runtime. The instruction sets are chosen per function inside the source.
+CXX_FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp-simd", "-fvisibility=hidden")
+INSTALL_HINT = "install g++ 11 or later (e.g. `apt-get install g++`) or point $CXX at a C++20 compiler"
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
+
+__all__ = ["ragged_paged_attention_native", "ragged_paged_attention_reference", "unavailable_reason"]
+
+
+class NativeUnavailable(RuntimeError):
+    """The native library could not be built or loaded; the message says why and what to install."""
+
+
+def _compiler() -> tuple[str, str]:
+    """(path, version line) of $CXX (default g++); NativeUnavailable when it is missing."""
+    name = os.environ.get("CXX", "g++")
+    path = shutil.which(name)
+    if path is None:
+        raise NativeUnavailable(f"no C++ compiler {name!r} on PATH; {INSTALL_HINT}")
+    version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
+    return path, version.splitlines()[0] if version else "unknown"
+
+
+def library_path(compiler_version: str) -> Path:
+    """Where the library for this source, these flags, this compiler and this jax lives."""
+    from orca_jax.config import compilation_cache_dir
+
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *CXX_FLAGS, compiler_version, jax.__version__,
+                                    jaxlib.__version__]).encode()).hexdigest()[:16]
+    return compilation_cache_dir() / "native" / f"ragged_paged_attention-{key}.so"
+
+
+def build() -> Path:
+    """Compiles the library unless it is already there; returns its path. One process builds, the
+    others wait on the lock and find the file; it appears whole (renamed into place) or not at all."""
+    compiler, version = _compiler()
+    path = library_path(version)
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path.with_suffix(".lock")):
+        if path.is_file():
+            return path
+        fd, scratch = tempfile.mkstemp(suffix=".so", dir=path.parent)
+        os.close(fd)
+        try:
+            command = [compiler, *CXX_FLAGS, "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", scratch]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+            if result.returncode:
+                tail = " | ".join(result.stderr.strip().splitlines()[-5:])
+                raise NativeUnavailable(f"building {SOURCE.name} with {version} failed: {tail}; {INSTALL_HINT}")
+            os.replace(scratch, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(scratch)
+    return path
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path):
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: the atomic rename alone keeps loads whole
+        yield
+        return
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@functools.cache
+def _registered(path: Path) -> None:
+    """Loads the library and registers its handler with XLA, once per process and file."""
+    library = ctypes.cdll.LoadLibrary(str(path))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, SYMBOL)), platform="cpu")
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None when the kernel is built, loaded and registered (building it if needed); otherwise why
+    not, in one sentence that says what to install. Cached: tried once per process."""
+    try:
+        _registered(build())
+    except NativeUnavailable as error:
+        return str(error)
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"the native attention library could not be built or loaded ({error}); {INSTALL_HINT}"
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def ragged_paged_attention_native(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    segment_ids: jax.Array,
+    positions: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    *,
+    sm_scale: float,
+) -> jax.Array:
+    """See the module docstring. Raises NativeUnavailable when the library cannot be built."""
+    _validate(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens)
+    for name, array in (("q", q), ("k_pages", k_pages)):
+        if array.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"ragged_paged_attention_native: {name} must be float32 or bfloat16, got {array.dtype}")
+    reason = unavailable_reason()
+    if reason is not None:
+        raise NativeUnavailable(reason)
+    # The kernel takes q and gives its output in f32: converting them here costs a few KB per call,
+    # against the pages' MBs, and halves the variants compiled.
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    int32 = lambda array: array.astype(jnp.int32)
+    out = call(q.astype(jnp.float32), k_pages, v_pages, int32(segment_ids), int32(positions), int32(block_tables),
+               int32(kv_lens), sm_scale=np.float32(sm_scale))
+    return out.astype(q.dtype)
+
+
+if __name__ == "__main__":  # `make setup`: build now rather than on first use; never fails the install
+    reason = unavailable_reason()
+    print(f"native attention: {'not available: ' + reason if reason else 'built, ' + str(build())}")
