@@ -5,7 +5,8 @@ with no caches (a fresh clone) and again with the caches the first start wrote (
     python bench/bench_startup.py -- --max-num-seqs 16 # flags after -- go to `orca-jax serve`
 
 Each run gets its own empty $ORCA_JAX_COMPILATION_CACHE, so the figures never depend on this
-checkout's caches.
+checkout's caches; only the native attention kernel is built into it first, untimed, as the README's
+install (`make setup`) does.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def main() -> None:
     parser.add_argument("serve_flags", nargs="*", help="flags for `orca-jax serve` (after --)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="orca-jax-cache-") as cache:
+        subprocess.run([sys.executable, "-m", "pallas_kernels.native"], cwd=ROOT, check=True,
+                       env=dict(os.environ, ORCA_JAX_COMPILATION_CACHE=cache))
         fresh = time_to_health(cache, args.port, args.serve_flags, args.limit)
         print(f"first start (no caches): /health 200 after {fresh:.1f} s", flush=True)
         second = time_to_health(cache, args.port, args.serve_flags, args.limit)

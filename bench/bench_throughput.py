@@ -128,15 +128,19 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--attention-impl", default="auto", choices=["auto", "native", "xla"])
     parser.add_argument("--out", type=Path, default=RESULTS / "throughput_new.json",
                         help="results JSON (default: a new file, not the committed throughput.json)")
     args = parser.parse_args()
 
-    llm = LLM(args.model, max_num_seqs=max(args.max_num_seqs, 64), max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(args.model, max_num_seqs=max(args.max_num_seqs, 64), max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_dtype=args.kv_cache_dtype, attention_impl=args.attention_impl)
     workload = mixed_workload(llm.tokenizer, args.num_requests)
     results = {"model": args.model, "backend": jax.default_backend(), "jax": jax.__version__,
                "num_requests": args.num_requests, "max_num_seqs": args.max_num_seqs,
-               "max_num_batched_tokens": args.max_num_batched_tokens, "policies": []}
+               "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_dtype": args.kv_cache_dtype,
+               "attention": llm.runner.attention_impl, "policies": []}
     for policy in args.policies:
         row = run_policy(llm, policy, workload, args.max_num_seqs, args.max_num_batched_tokens)
         results["policies"].append(row)

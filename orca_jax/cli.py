@@ -159,6 +159,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                        help="weights, activations and KV pages (auto: the checkpoint's own dtype, but float32 on CPU, "
                             "where bfloat16 is slower; bfloat16 halves weights and KV pages)")
+    group.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"],
+                       help="KV pages (auto: the model's dtype); bfloat16 halves what attention reads and doubles "
+                            "the pages a --kv-cache-memory budget holds")
     group.add_argument("--tensor-parallel-size", type=int, help="devices each layer is split over")
     group.add_argument("--pipeline-parallel-size", type=int, help="pipeline stages the layers are split into")
     hosts = parser.add_argument_group(
@@ -218,7 +221,7 @@ def engine_config(args: argparse.Namespace):
         dtype=args.dtype,
         attention_impl=args.attention_impl,
         cache=override(base.cache, page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
-                       enable_prefix_caching=args.enable_prefix_caching),
+                       enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=override(base.scheduler, policy=args.policy, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens),
         parallel=override(base.parallel, tensor_parallel_size=args.tensor_parallel_size,

@@ -91,7 +91,7 @@ def warm_tiny_runner(tiny_trained, attention_impl, tp=1, pp=1):
     return runner
 
 
-def warm_smollm2_runner(smollm2, tp=1, pp=1):
+def warm_smollm2_runner(smollm2, tp=1, pp=1, kv_cache_dtype="auto", attention_impl="auto"):
     from orca_jax.config import ParallelConfig
     from orca_jax.engine.runner import ModelRunner
     from orca_jax.engine.step_plan import Buckets
@@ -99,8 +99,9 @@ def warm_smollm2_runner(smollm2, tp=1, pp=1):
     # "auto": what users get (the native kernel on CPU when it builds), so the reference and
     # batch-invariance tests on the real model cover it, alone and per shard under tp.
     runner = ModelRunner(smollm2.model, num_pages=96, page_size=16, max_model_len=2048,
-                         buckets=Buckets(tokens=(32, 128), seqs=(8,)), attention_impl="auto",
-                         parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+                         buckets=Buckets(tokens=(32, 128), seqs=(8,)), attention_impl=attention_impl,
+                         parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+                         kv_cache_dtype=kv_cache_dtype)
     runner.warm_up(show_progress=False)
     return runner
 
@@ -135,7 +136,15 @@ def tiny_bf16_runner(tiny_bf16):
 
 @pytest.fixture(scope="session")
 def smollm2_bf16_runner(smollm2_bf16):
-    return warm_smollm2_runner(smollm2_bf16)
+    # XLA attention: with the native kernel, bfloat16 activations are not batch-invariant (a prompt
+    # chunked differently in a batch rounds differently; README, "Dtypes").
+    return warm_smollm2_runner(smollm2_bf16, attention_impl="xla")
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16_kv_runner(smollm2):
+    """float32 weights and activations, bfloat16 KV pages."""
+    return warm_smollm2_runner(smollm2, kv_cache_dtype="bfloat16")
 
 
 @pytest.fixture(scope="session")

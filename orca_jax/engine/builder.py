@@ -73,11 +73,12 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
     # Checks the layout (tp divisibility, stages) and sizes the pages per device from kv_cache_memory;
     # refuses a cache that cannot hold one max-length sequence.
     plan = plan_memory(model_config, config.parallel, page_size=config.cache.page_size, max_model_len=max_model_len,
-                       kv_cache_memory=config.cache.kv_cache_memory)
+                       kv_cache_memory=config.cache.kv_cache_memory, kv_cache_dtype=config.cache.kv_cache_dtype)
     runner = ModelRunner(loaded.model, num_pages=plan.num_pages, page_size=config.cache.page_size,
                          max_model_len=max_model_len, buckets=bucket_set(config, options),
                          attention_impl=config.attention_impl, parallel=config.parallel, devices=devices,
-                         step_timeout=None if distributed is None else distributed.step_timeout)
+                         step_timeout=None if distributed is None else distributed.step_timeout,
+                         kv_cache_dtype=config.cache.kv_cache_dtype)
     if options.show_progress:
         print(f"orca_jax: {model_config.name}, policy {config.scheduler.policy}, {runner.describe()}\n"
               f"{plan.one_line()}", file=sys.stderr)

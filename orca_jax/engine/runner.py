@@ -134,12 +134,14 @@ class ModelRunner:
         devices: list | None = None,
         step_timeout: float | None = None,
         executable_store: ExecutableStore | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         """`attention_impl`: "auto", "native", "xla", "pallas" or "pallas-interpret", resolved here for the
         devices' platform. `devices` (default: all of jax.devices(), every process's) are split
         into pp x tp. `step_timeout`: seconds to wait for a step's result from other processes
         before raising RunnerLost (multi-host only; warm-up allows ten times as long). Compiled
-        programs are kept in `executable_store` (default: under $ORCA_JAX_COMPILATION_CACHE)."""
+        programs are kept in `executable_store` (default: under $ORCA_JAX_COMPILATION_CACHE). KV pages
+        are kept in `kv_cache_dtype` ("auto": the model's dtype)."""
         enable_compilation_cache()
         config = model.config
         check_parallel(config, parallel)
@@ -148,6 +150,7 @@ class ModelRunner:
         self.parallel = parallel
         self.kv_layout = KVLayout(num_pages, page_size, -(-max_model_len // page_size), buckets.seqs[-1])
         self.executable_store = executable_store or ExecutableStore.default()
+        self.kv_dtype = jnp.dtype(config.dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
         self.buckets = buckets
         self.max_in_flight = parallel.pipeline_parallel_size
         platform = meshes[0].devices.flat[0].platform
@@ -189,7 +192,7 @@ class ModelRunner:
             state = replicate_kv_heads(state, num_kv_heads)
         params = jax.device_put(state, param_shardings(state, mesh))
         kv_sharding = kv_cache_sharding(mesh)
-        zeros = jax.jit(lambda: jnp.zeros(kv_shape, jnp.dtype(self.config.dtype)), out_shardings=kv_sharding)
+        zeros = jax.jit(lambda: jnp.zeros(kv_shape, self.kv_dtype), out_shardings=kv_sharding)
         attention = sharded_paged_attention(self.attention_impl, mesh)
 
         def run_layers(params, kv_caches, x, inputs: StepInputs):
@@ -225,13 +228,13 @@ class ModelRunner:
 
     def layout_key(self) -> str:
         """Everything the processes of one model must agree on (multi-host checks it at start-up)."""
-        return repr((self.config, self.parallel, self.kv_layout, self.buckets, self.attention_impl))
+        return repr((self.config, self.parallel, self.kv_layout, self.kv_dtype.name, self.buckets, self.attention_impl))
 
     def describe(self) -> str:
         tp, pp = self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
         stages = ", ".join(f"layers {s.layers.start}-{s.layers.stop - 1} on {[d.id for d in s.mesh.devices.flat]}"
                            for s in self.stages)
-        return f"tp {tp} x pp {pp} ({stages}), attention {self.attention_impl}"
+        return f"tp {tp} x pp {pp} ({stages}), attention {self.attention_impl}, KV pages {self.kv_dtype.name}"
 
     # ---- compilation ---------------------------------------------------------------------
     def warm_up(self, show_progress: bool = True) -> float:

@@ -170,13 +170,15 @@ def plan_memory(
     device_memory: int | None = None,
     kv_cache_memory: int | None = None,
     dtype: DType | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> MemoryPlan:
     """Plans parameters and KV pages per device, or raises ConfigError naming the shortfall and fix.
 
     `device_memory`: bytes the engine may use on each device (note JAX preallocates 75% of a GPU by
     default: pass that figure, or raise XLA_PYTHON_CLIENT_MEM_FRACTION). `kv_cache_memory`: KV bytes
     per device; without it the KV cache takes what parameters and the reserve leave.
-    `max_model_len` defaults to the model's context length; `dtype` overrides the model's.
+    `max_model_len` defaults to the model's context length; `dtype` overrides the model's;
+    `kv_cache_dtype` is the KV pages' ("auto": the model's).
     """
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     if dtype is not None:
@@ -198,7 +200,7 @@ def plan_memory(
     for path, shape, axes, itemsize in param_shapes(runtime):
         for stage in _stages_holding(path, ranges, model.tie_word_embeddings):
             param_bytes[stage] += _bytes_per_device(shape, axes, itemsize, tp)
-    itemsize = jnp.dtype(model.dtype).itemsize  # the KV cache is kept in the model's dtype
+    itemsize = jnp.dtype(model.dtype if kv_cache_dtype == "auto" else kv_cache_dtype).itemsize
     stages = tuple(
         StagePlan(r, param_bytes[s], len(r) * 2 * page_size * (kv_heads // tp) * model.head_dim * itemsize)
         for s, r in enumerate(ranges)
