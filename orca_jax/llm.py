@@ -55,7 +55,8 @@ class LLM:
             engine_args = dict(model=model, scheduling_policy=scheduling_policy, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
                                kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
-                               kv_cache_dtype=kv_cache_dtype, attention_impl=attention_impl, max_model_len=max_model_len, dtype=dtype,
+                               kv_cache_dtype=kv_cache_dtype, attention_impl=attention_impl,
+                               max_model_len=max_model_len, dtype=dtype,
                                tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
             defaults = inspect.signature(LLM.__init__).parameters
             given = sorted(name for name, value in engine_args.items() if value != defaults[name].default)

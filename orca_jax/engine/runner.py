@@ -136,8 +136,8 @@ class ModelRunner:
         executable_store: ExecutableStore | None = None,
         kv_cache_dtype: str = "auto",
     ):
-        """`attention_impl`: "auto", "native", "xla", "pallas" or "pallas-interpret", resolved here for the
-        devices' platform. `devices` (default: all of jax.devices(), every process's) are split
+        """`attention_impl`: "auto", "native", "xla", "pallas" or "pallas-interpret", resolved here
+        for the devices' platform. `devices` (default: all of jax.devices(), every process's) are split
         into pp x tp. `step_timeout`: seconds to wait for a step's result from other processes
         before raising RunnerLost (multi-host only; warm-up allows ten times as long). Compiled
         programs are kept in `executable_store` (default: under $ORCA_JAX_COMPILATION_CACHE). KV pages
@@ -228,7 +228,8 @@ class ModelRunner:
 
     def layout_key(self) -> str:
         """Everything the processes of one model must agree on (multi-host checks it at start-up)."""
-        return repr((self.config, self.parallel, self.kv_layout, self.kv_dtype.name, self.buckets, self.attention_impl))
+        return repr((self.config, self.parallel, self.kv_layout, self.kv_dtype.name, self.buckets,
+                     self.attention_impl))
 
     def describe(self) -> str:
         tp, pp = self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
@@ -258,7 +259,8 @@ class ModelRunner:
         """Every program a step can call, for the stages this process owns, ahead of time. A
         follower process calls only this: the leader's padding step reaches it as a plan."""
         programs = [(stage, "layers", t) for stage in self.stages if stage.local for t in self.buckets.tokens]
-        programs += [(stage, "head", s) for stage in self.stages if stage.local and stage.last for s in self.buckets.seqs]
+        programs += [(stage, "head", s) for stage in self.stages if stage.local and stage.last
+                     for s in self.buckets.seqs]
         for stage, name, size in tqdm(programs, desc="compiling", disable=not show_progress, leave=False):
             stage.executables[name, size] = self._compile(stage, name, size)
         self._warmed_up = True
