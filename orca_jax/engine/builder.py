@@ -50,8 +50,8 @@ def build_engine(config: EngineConfig, options: BuildOptions = BuildOptions(),
 
 def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), loaded: LoadedModel | None = None,
                  devices: list | None = None, distributed: DistributedConfig | None = None):
-    """The runner, not yet warmed up (a follower process never warms up on its own: it runs the
-    leader's warm-up steps). Returns (runner, loaded model, max_model_len)."""
+    """The runner, not yet warmed up (a follower process compiles its own stages' programs, then
+    runs the leader's warm-up step as a plan). Returns (runner, loaded model, max_model_len)."""
     if loaded is None:
         if distributed is None:  # several processes pulling into one folder would race: pull first
             ensure_pulled(config.model, log=lambda message: print(message, file=sys.stderr))
