@@ -49,13 +49,14 @@ from pallas_kernels.ragged_paged_attention import _validate, ragged_paged_attent
 SOURCE = Path(__file__).resolve().parent / "cpu" / "ragged_paged_attention.cc"
 TARGET = "orca_ragged_paged_attention"
 SYMBOL = "OrcaRaggedPagedAttention"
+WRITE_TARGET, WRITE_SYMBOL = "orca_write_kv", "OrcaWriteKV"
 # -fopenmp-simd: honour the source's `omp simd` reductions (vectorised without -ffast-math), no
 # OpenMP runtime. The instruction sets are chosen per function inside the source.
 CXX_FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp-simd", "-fvisibility=hidden")
 INSTALL_HINT = "install g++ 11 or later (e.g. `apt-get install g++`) or point $CXX at a C++20 compiler"
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
 
-__all__ = ["ragged_paged_attention_native", "ragged_paged_attention_reference", "unavailable_reason"]
+__all__ = ["ragged_paged_attention_native", "ragged_paged_attention_reference", "unavailable_reason", "write_kv_native"]
 
 
 class NativeUnavailable(RuntimeError):
@@ -127,6 +128,7 @@ def _registered(path: Path) -> None:
     """Loads the library and registers its handler with XLA, once per process and file."""
     library = ctypes.cdll.LoadLibrary(str(path))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, SYMBOL)), platform="cpu")
+    jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(getattr(library, WRITE_SYMBOL)), platform="cpu")
 
 
 @functools.cache
@@ -169,6 +171,20 @@ def ragged_paged_attention_native(
     out = call(q.astype(jnp.float32), k_pages, v_pages, int32(segment_ids), int32(positions), int32(block_tables),
                int32(kv_lens), sm_scale=np.float32(sm_scale))
     return out.astype(q.dtype)
+
+
+def write_kv_native(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
+                    slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Writes k, v [T, K, Dh] into the pages' slots (page * page_size + offset) in place (the results
+    alias the page arguments; donate them). Slots outside the cache are skipped. For bfloat16 pages:
+    XLA:CPU's own scatter converts the whole page array to write a few rows."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise NativeUnavailable(reason)
+    call = jax.ffi.ffi_call(WRITE_TARGET, (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                                           jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
+                            input_output_aliases={0: 0, 1: 1})
+    return call(k_pages, v_pages, k.astype(jnp.float32), v.astype(jnp.float32), slot_mapping.astype(jnp.int32))
 
 
 if __name__ == "__main__":  # `make setup`: build now rather than on first use; never fails the install

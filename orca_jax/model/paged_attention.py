@@ -194,6 +194,12 @@ def resolve_attention_impl(requested: str, platform: str) -> str:
     raise ValueError(f"attention_impl={requested!r}; choose 'auto', 'native', 'pallas' or 'xla'")
 
 
+def _native_write_kv(k_pages, v_pages, k, v, slot_mapping):
+    from pallas_kernels.native import write_kv_native
+
+    return write_kv_native(k_pages, v_pages, k, v, slot_mapping)
+
+
 def _native_unavailable() -> str | None:
     from pallas_kernels.native import unavailable_reason
 
@@ -209,8 +215,11 @@ def paged_attention(q: Float[Array, "T H Dh"], k: Float[Array, "T K Dh"], v: Flo
                     kv: tuple[KVPages, KVPages], meta, *, sm_scale: float, impl: str = "xla"):
     """One layer's cache step: writes this call's K/V into the pages, then attends over them with
     the implementation `impl`. Returns (out [T, H, Dh], (k_pages, v_pages)). `meta` is the layer's
-    AttentionMetadata. Under tensor parallelism this whole function runs per shard of heads."""
-    k_pages, v_pages = write_kv(*kv, k, v, meta.slot_mapping)
+    AttentionMetadata. Under tensor parallelism this whole function runs per shard of heads. The
+    native implementation also writes with its own kernel: XLA:CPU's scatter into bfloat16 pages
+    converts the whole page array."""
+    write = _native_write_kv if impl == "native" else write_kv
+    k_pages, v_pages = write(*kv, k, v, meta.slot_mapping)
     out = ATTENTION_IMPLS[impl](q, k_pages, v_pages, meta.segment_ids, meta.positions, meta.block_tables,
                                 meta.kv_lens, sm_scale=sm_scale)
     return out, (k_pages, v_pages)

@@ -528,11 +528,65 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   return ffi::Error::Success();
 }
 
+// ---- writing this call's K/V into the pages ---------------------------------------------------
+
+// f32 to bf16, rounding to nearest even (as XLA's convert does for finite values).
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// Token t's K/V rows ([K * Dh] f32) into slot slot_mapping[t] of the pages, in place: the outputs
+// alias the page arguments. XLA:CPU scatters into a bf16 array by converting the whole array to f32
+// and back (25 ms a layer for SmolLM2's 1 GiB cache), so bf16 pages are written here instead.
+ffi::Error WriteKV(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                   ffi::Buffer<ffi::S32> slot_mapping, ffi::Result<ffi::AnyBuffer> k_out,
+                   ffi::Result<ffi::AnyBuffer> v_out) {
+  auto kv_dims = k_pages.dimensions();
+  const bool f32 = k_pages.element_type() == ffi::F32, bf16 = k_pages.element_type() == ffi::BF16;
+  if (kv_dims.size() != 4 || (!f32 && !bf16) || v_pages.element_type() != k_pages.element_type() ||
+      k_out->untyped_data() != k_pages.untyped_data() || v_out->untyped_data() != v_pages.untyped_data())
+    return ffi::Error::InvalidArgument("write_kv_native: pages must be f32 or bf16 and aliased by the outputs");
+  const int64_t row = kv_dims[2] * kv_dims[3], num_slots = kv_dims[0] * kv_dims[1];
+  const int64_t num_tokens = slot_mapping.element_count();
+  if (static_cast<int64_t>(k.element_count()) != num_tokens * row ||
+      static_cast<int64_t>(v.element_count()) != num_tokens * row)
+    return ffi::Error::InvalidArgument("write_kv_native: k and v must be [T, K, Dh] of the pages' K and Dh");
+  const int32_t* slots = slot_mapping.typed_data();
+  for (auto [src, dst] : {std::pair{k.typed_data(), k_out->untyped_data()}, {v.typed_data(), v_out->untyped_data()}}) {
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0 || slot >= num_slots) continue;  // out of the cache: nothing to write
+      const float* from = src + t * row;
+      if (f32) {
+        std::memcpy(static_cast<float*>(dst) + slot * row, from, row * sizeof(float));
+      } else {
+        uint16_t* to = static_cast<uint16_t*>(dst) + slot * row;
+        for (int64_t i = 0; i < row; ++i) to[i] = f32_to_bf16(from[i]);
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
-// The one exported symbol (the library is built with -fvisibility=hidden, so nothing else in it can
+// The exported symbols (the library is built with -fvisibility=hidden, so nothing else in it can
 // clash with the process's other copies of the FFI helpers).
 extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* OrcaRaggedPagedAttention(XLA_FFI_CallFrame*);
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* OrcaWriteKV(XLA_FFI_CallFrame*);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OrcaWriteKV, WriteKV,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // k_pages
+                                  .Arg<ffi::AnyBuffer>()  // v_pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k [T, K, Dh]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping [T]
+                                  .Ret<ffi::AnyBuffer>()  // k_pages, aliased
+                                  .Ret<ffi::AnyBuffer>());  // v_pages, aliased
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OrcaRaggedPagedAttention, RaggedPagedAttention,
                               ffi::Ffi::Bind()

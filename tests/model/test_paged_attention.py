@@ -85,3 +85,26 @@ def test_padding_tokens_give_zeros_and_no_nan(impl):
     assert np.all(np.isfinite(out))
     assert np.all(out[2:] == 0)
     assert np.abs(out[:2]).max() > 0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_native_write_equals_xla_write_in_place(dtype):
+    """The native kernel's K/V write (used with impl native: XLA:CPU's scatter into bf16 pages
+    converts the whole array) writes what write_kv writes, skips slots outside the cache, and
+    updates the donated pages in place."""
+    require_native()
+    import jax
+
+    from orca_jax.model.paged_attention import write_kv
+    from pallas_kernels.native import write_kv_native
+
+    rng = np.random.default_rng(0)
+    pages = [jnp.asarray(rng.normal(size=(7, 4, 3, 8)), dtype) for _ in range(2)]
+    k, v = (jnp.asarray(rng.normal(size=(5, 3, 8)), jnp.float32) for _ in range(2))
+    slots = jnp.array([0, 9, 27, 7 * 4 + 2, 13], jnp.int32)  # the fourth lies outside the cache
+    want = write_kv(*pages, k, v, slots)
+    got = jax.jit(write_kv_native, donate_argnums=(0, 1))(*[p.copy() for p in pages], k, v, slots)
+    for g, w, before in zip(got, want, pages):
+        assert g.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+        assert not np.array_equal(np.asarray(g, np.float32), np.asarray(before, np.float32))
