@@ -123,17 +123,16 @@ class ExecutableStore:
         `lower().compile()`, then stored. `out_tree`: the structure of the program's outputs (the
         store never unpickles pytree structures: they come from the live program); `devices`: the
         ones it runs on, in the order of its mesh."""
-        header = self.header(name, args, depends_on)
-        in_tree = jax.tree.structure((tuple(args), {}))
-        if self.directory is not None:
-            compiled = self._load(self._path(name, header), header, in_tree, out_tree, devices)
-            if compiled is not None:
-                self.loaded += 1
-                return compiled
         if self.directory is None:
             return lower().compile()
+        header = self.header(name, args, depends_on)
+        path = self._path(name, header)
+        compiled = self._load(path, header, jax.tree.structure((tuple(args), {})), out_tree, devices)
+        if compiled is not None:
+            self.loaded += 1
+            return compiled
         compiled = _compile_afresh(lower())
-        self._save(self._path(name, header), header, compiled)
+        self._save(path, header, compiled)
         return compiled
 
     def _load(self, path: Path, header: str, in_tree, out_tree, devices):
@@ -147,10 +146,11 @@ class ExecutableStore:
             stored_header, checksum, payload = data[len(MAGIC):].split(b"\n", 2)
             if hashlib.sha256(payload).hexdigest() != checksum.decode():
                 raise ValueError("checksum mismatch (truncated or altered)")
-        except ValueError as error:
+            stored_header = stored_header.decode()
+        except ValueError as error:  # also a short file (too few lines) and bytes that are not UTF-8
             log.warning("ignoring compiled program %s: %s; compiling it again", path, error)
             return None
-        if stored_header.decode() != header:
+        if stored_header != header:
             log.info("ignoring compiled program %s: built for other settings", path)
             return None
         try:
