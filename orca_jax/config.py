@@ -190,6 +190,11 @@ class CacheConfig:
         _check_literal(self, "kv_cache_dtype", typing.get_args(KVCacheDType))
 
 
+def kv_page_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The dtype KV pages are kept in: `auto` follows the model."""
+    return model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     policy: SchedulingPolicy = "chunked"

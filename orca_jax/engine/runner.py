@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Int
 from tqdm.auto import tqdm
 
-from orca_jax.config import ConfigError, ParallelConfig
+from orca_jax.config import ConfigError, ParallelConfig, kv_page_dtype
 from orca_jax.engine.compile_cache import ExecutableStore, enable_compilation_cache
 from orca_jax.engine.scheduler import SchedulerOutput
 from orca_jax.engine.step_plan import (Buckets, KVLayout, RunnerLost, SampledToken, StepPlan, build_step_plan,
@@ -150,7 +150,7 @@ class ModelRunner:
         self.parallel = parallel
         self.kv_layout = KVLayout(num_pages, page_size, -(-max_model_len // page_size), buckets.seqs[-1])
         self.executable_store = executable_store or ExecutableStore.default()
-        self.kv_dtype = jnp.dtype(config.dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
+        self.kv_dtype = jnp.dtype(kv_page_dtype(kv_cache_dtype, config.dtype))
         self.buckets = buckets
         self.max_in_flight = parallel.pipeline_parallel_size
         platform = meshes[0].devices.flat[0].platform

@@ -159,6 +159,17 @@ ATTENTION_IMPLS = {
 }
 
 
+def _native_write_kv(k_pages, v_pages, k, v, slot_mapping):
+    from pallas_kernels.native import write_kv_native
+
+    return write_kv_native(k_pages, v_pages, k, v, slot_mapping)
+
+
+# Who writes a call's K/V into the pages, per implementation (write_kv for any other): the native
+# kernel writes them itself, because XLA:CPU's scatter into bfloat16 pages converts the whole array.
+KV_WRITERS = {"native": _native_write_kv}
+
+
 def resolve_attention_impl(requested: str, platform: str) -> str:
     """Picks the implementation for a device platform ("cpu", "gpu", ...), once, when the step
     function is built.
@@ -194,12 +205,6 @@ def resolve_attention_impl(requested: str, platform: str) -> str:
     raise ValueError(f"attention_impl={requested!r}; choose 'auto', 'native', 'pallas' or 'xla'")
 
 
-def _native_write_kv(k_pages, v_pages, k, v, slot_mapping):
-    from pallas_kernels.native import write_kv_native
-
-    return write_kv_native(k_pages, v_pages, k, v, slot_mapping)
-
-
 def _native_unavailable() -> str | None:
     from pallas_kernels.native import unavailable_reason
 
@@ -215,11 +220,8 @@ def paged_attention(q: Float[Array, "T H Dh"], k: Float[Array, "T K Dh"], v: Flo
                     kv: tuple[KVPages, KVPages], meta, *, sm_scale: float, impl: str = "xla"):
     """One layer's cache step: writes this call's K/V into the pages, then attends over them with
     the implementation `impl`. Returns (out [T, H, Dh], (k_pages, v_pages)). `meta` is the layer's
-    AttentionMetadata. Under tensor parallelism this whole function runs per shard of heads. The
-    native implementation also writes with its own kernel: XLA:CPU's scatter into bfloat16 pages
-    converts the whole page array."""
-    write = _native_write_kv if impl == "native" else write_kv
-    k_pages, v_pages = write(*kv, k, v, meta.slot_mapping)
+    AttentionMetadata. Under tensor parallelism this whole function runs per shard of heads."""
+    k_pages, v_pages = KV_WRITERS.get(impl, write_kv)(*kv, k, v, meta.slot_mapping)
     out = ATTENTION_IMPLS[impl](q, k_pages, v_pages, meta.segment_ids, meta.positions, meta.block_tables,
                                 meta.kv_lens, sm_scale=sm_scale)
     return out, (k_pages, v_pages)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 from flax import nnx
 
-from orca_jax.config import ConfigError, DType, ModelConfig, ParallelConfig
+from orca_jax.config import ConfigError, DType, ModelConfig, ParallelConfig, kv_page_dtype
 from orca_jax.model.decoder import abstract_decoder
 from orca_jax.parallel import mesh
 from orca_jax.parallel.layout import check_parallel, kv_heads_for_tp, stage_layer_ranges
@@ -200,7 +200,7 @@ def plan_memory(
     for path, shape, axes, itemsize in param_shapes(runtime):
         for stage in _stages_holding(path, ranges, model.tie_word_embeddings):
             param_bytes[stage] += _bytes_per_device(shape, axes, itemsize, tp)
-    itemsize = jnp.dtype(model.dtype if kv_cache_dtype == "auto" else kv_cache_dtype).itemsize
+    itemsize = jnp.dtype(kv_page_dtype(kv_cache_dtype, model.dtype)).itemsize
     stages = tuple(
         StagePlan(r, param_bytes[s], len(r) * 2 * page_size * (kv_heads // tp) * model.head_dim * itemsize)
         for s, r in enumerate(ranges)
