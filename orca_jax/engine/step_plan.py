@@ -166,6 +166,11 @@ def build_step_plan(out: SchedulerOutput, buckets: Buckets, kv: KVLayout, vocab_
     return plan
 
 
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per row of a step's token bitmask (bit v % 32 of word v // 32: token v allowed)."""
+    return -(-vocab_size // 32)
+
+
 def sampling_arrays(requests: list[Request], num_seqs: int, vocab_size: int) -> dict[str, np.ndarray]:
     """Per-request sampling parameters as [S] arrays (SamplingMetadata's fields), so no combination of
     parameters recompiles. The [S, V] penalty arrays are None when no request uses penalties: the
@@ -186,7 +191,7 @@ def sampling_arrays(requests: list[Request], num_seqs: int, vocab_size: int) -> 
             suppress[row] = True
     # Every step ships the bitmask and the bias arrays (small, fixed shapes): rows without a
     # constraint are all ones / zero bias, and the sampler skips the work when no row has one.
-    bitmask = np.full((num_seqs, -(-vocab_size // 32)), -1, np.int32)
+    bitmask = np.full((num_seqs, bitmask_width(vocab_size)), -1, np.int32)
     bias_ids = np.zeros((num_seqs, MAX_LOGIT_BIAS), np.int32)
     bias_values = np.zeros((num_seqs, MAX_LOGIT_BIAS), np.float32)
     for row, r in enumerate(requests):

@@ -39,11 +39,6 @@ class GrammarError(ValueError):
     """A constraint the grammar engine cannot compile; the message says what is wrong."""
 
 
-def bitmask_width(vocab_size: int) -> int:
-    """int32 words per row of a token bitmask."""
-    return -(-vocab_size // 32)
-
-
 class Grammar:
     """One sample's position in its grammar."""
 
