@@ -55,8 +55,14 @@ WRITE_TARGET, WRITE_SYMBOL = "orca_write_kv", "OrcaWriteKV"
 CXX_FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp-simd", "-fvisibility=hidden")
 INSTALL_HINT = "install g++ 11 or later (e.g. `apt-get install g++`) or point $CXX at a C++20 compiler"
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
+# The instruction-set variants of every kernel, best first, numbered as the source's `Isa`.
+ISAS = ("avx512", "avx2", "base")
+# Runs a lower variant than the CPU's best in this process (e.g. `avx2` or `base` on an AVX-512
+# machine), so the code an AVX2-only CPU runs can be tested anywhere.
+ISA_ENV = "ORCA_JAX_NATIVE_ISA"
 
-__all__ = ["ragged_paged_attention_native", "ragged_paged_attention_reference", "unavailable_reason", "write_kv_native"]
+__all__ = ["ISAS", "isa", "ragged_paged_attention_native", "ragged_paged_attention_reference", "select_isa",
+           "supported_isas", "unavailable_reason", "write_kv_native"]
 
 
 class NativeUnavailable(RuntimeError):
@@ -124,11 +130,48 @@ def _locked(lock_path: Path):
 
 
 @functools.cache
-def _registered(path: Path) -> None:
-    """Loads the library and registers its handler with XLA, once per process and file."""
+def _registered(path: Path) -> ctypes.CDLL:
+    """Loads the library and registers its handlers with XLA, once per process and file; applies
+    $ORCA_JAX_NATIVE_ISA."""
     library = ctypes.cdll.LoadLibrary(str(path))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(getattr(library, WRITE_SYMBOL)), platform="cpu")
+    forced = os.environ.get(ISA_ENV)
+    if forced:
+        _select(library, forced, f"${ISA_ENV}={forced!r}")
+    return library
+
+
+def _library() -> ctypes.CDLL:
+    reason = unavailable_reason()
+    if reason is not None:
+        raise NativeUnavailable(reason)
+    return _registered(build())
+
+
+def supported_isas() -> tuple[str, ...]:
+    """The variants this CPU can run, best first (the baseline always)."""
+    library = _library()
+    return tuple(name for number, name in enumerate(ISAS) if library.OrcaNativeCpuHas(number))
+
+
+def isa() -> str:
+    """The variant the kernels run with: the CPU's best unless one was selected."""
+    return ISAS[_library().OrcaNativeIsa()]
+
+
+def select_isa(name: str) -> None:
+    """Runs every later call with variant `name` (one of ISAS that this CPU has), process-wide: for
+    tests and benchmarks that compare the variants. The compiled programs need no rebuild."""
+    _select(_library(), name, f"select_isa({name!r})")
+
+
+def _select(library: ctypes.CDLL, name: str, asked: str) -> None:
+    if name not in ISAS:
+        raise ValueError(f"{asked}: the native attention variants are {', '.join(ISAS)}")
+    if not library.OrcaNativeSelectIsa(ISAS.index(name)):
+        has = [n for number, n in enumerate(ISAS) if library.OrcaNativeCpuHas(number)]
+        raise ValueError(f"{asked}: this CPU cannot run the {name} variant; it has {', '.join(has)}")
 
 
 @functools.cache
@@ -189,4 +232,4 @@ def write_kv_native(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax
 
 if __name__ == "__main__":  # `make setup`: build now rather than on first use; never fails the install
     reason = unavailable_reason()
-    print(f"native attention: {'not available: ' + reason if reason else 'built, ' + str(build())}")
+    print(f"native attention: {'not available: ' + reason if reason else f'built, {build()} ({isa()} variant)'}")

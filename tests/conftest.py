@@ -136,9 +136,7 @@ def tiny_bf16_runner(tiny_bf16):
 
 @pytest.fixture(scope="session")
 def smollm2_bf16_runner(smollm2_bf16):
-    # XLA attention: with the native kernel, bfloat16 activations are not batch-invariant (a prompt
-    # chunked differently in a batch rounds differently; README, "Dtypes").
-    return warm_smollm2_runner(smollm2_bf16, attention_impl="xla")
+    return warm_smollm2_runner(smollm2_bf16)
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,9 @@
 // Items are spread over XLA's intra-op thread pool; the calling thread works too.
 //
 // Arithmetic is on 16-float vectors (GCC vector extensions), lowered per instruction set: every
-// kernel is compiled for AVX-512, AVX2+FMA and baseline x86-64 (or plain, elsewhere), picked once at
-// load from the CPU's features. No -march=native: the .so may move between machines.
+// kernel is compiled for AVX-512, AVX2+FMA and baseline x86-64 (or plain, elsewhere); the best the
+// CPU has is picked at load, and a lower one may be selected (OrcaNativeSelectIsa) to test or time
+// it. No -march=native: the .so may move between machines.
 
 #include <algorithm>
 #include <atomic>
@@ -394,26 +395,37 @@ using ItemFn = void (*)(const Problem&, const Item&);
   }
 ORCA_ISA_VARIANTS(ORCA_DEFINE_ISA)
 
-enum class Isa { kAvx512, kAvx2, kBase };
+// The order is the one OrcaNativeIsa / OrcaNativeSelectIsa use (pallas_kernels/native.py, ISAS).
+enum class Isa : int { kAvx512 = 0, kAvx2 = 1, kBase = 2 };
 
-Isa detect_isa() {
+bool cpu_has([[maybe_unused]] Isa isa) {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
-    return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+  if (isa == Isa::kAvx512)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+  if (isa == Isa::kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
+  return isa == Isa::kBase;
+}
+
+Isa best_isa() {
+  for (Isa isa : {Isa::kAvx512, Isa::kAvx2}) {
+    if (cpu_has(isa)) return isa;
+  }
   return Isa::kBase;
 }
 
-const Isa kIsa = detect_isa();
+// The variant every call uses: the best the CPU has, unless a test or benchmark selected a lower one
+// (each call reads it once, so a switch between calls is safe).
+std::atomic<Isa> g_isa{best_isa()};
 
 template <typename KVT, int NV>
 ItemFn pick_isa() {
 #if defined(__x86_64__)
-  if (kIsa == Isa::kAvx512) return item_avx512<KVT, NV>;
-  if (kIsa == Isa::kAvx2) return item_avx2<KVT, NV>;
+  const Isa isa = g_isa.load(std::memory_order_relaxed);
+  if (isa == Isa::kAvx512) return item_avx512<KVT, NV>;
+  if (isa == Isa::kAvx2) return item_avx2<KVT, NV>;
 #endif
   return item_base<KVT, NV>;
 }
@@ -577,6 +589,18 @@ ffi::Error WriteKV(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::Buffer<f
 // clash with the process's other copies of the FFI helpers).
 extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* OrcaRaggedPagedAttention(XLA_FFI_CallFrame*);
 extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* OrcaWriteKV(XLA_FFI_CallFrame*);
+
+// The instruction set the kernels run with (Isa's numbering), and a switch to another the CPU has,
+// for tests and benchmarks that compare the variants: returns 0, changing nothing, if it lacks it.
+extern "C" __attribute__((visibility("default"))) int OrcaNativeIsa() { return static_cast<int>(g_isa.load()); }
+extern "C" __attribute__((visibility("default"))) int OrcaNativeCpuHas(int isa) {
+  return isa >= 0 && isa <= 2 && cpu_has(static_cast<Isa>(isa));
+}
+extern "C" __attribute__((visibility("default"))) int OrcaNativeSelectIsa(int isa) {
+  if (!OrcaNativeCpuHas(isa)) return 0;
+  g_isa.store(static_cast<Isa>(isa));
+  return 1;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OrcaWriteKV, WriteKV,
                               ffi::Ffi::Bind()

@@ -28,3 +28,41 @@ def run_all(engine, requests):
                 done[out.request_id] = out
     assert engine.kv.num_free_pages == engine.kv.num_pages  # every page came back
     return [done[i] for i in ids]
+
+
+# What batching guarantees (README, "Batch invariance"). The XLA:CPU matmul sums its products in an
+# order that depends on how many rows a call has, so a request's numbers differ with the batch it
+# rides in by rounding: float32 logprobs moved by at most 4.3e-5 nats on SmolLM2 (measured), which
+# leaves greedy tokens identical; bfloat16 rounds each activation to 8 bits, which turns the same
+# differences into up to 0.35 nats (measured), so a greedy path may part where two tokens were that
+# close.
+FLOAT32_MAX_DRIFT = 1e-3  # nats
+BFLOAT16_MAX_DRIFT = 0.75  # nats
+
+
+def greedy_with_logprobs(max_tokens):
+    from orca_jax.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2)
+
+
+def diverging_requests(batched, solo, *, max_drift: float) -> list[int]:
+    """Checks each batched greedy request (run with logprobs >= 2) against its solo run: it follows
+    the solo path with every chosen token's logprob within `max_drift` nats of solo's, and leaves
+    it, if at all, only at a near-tie: for a token solo ranked within `max_drift` of its own pick.
+    Returns the indices of the requests that left their path."""
+    diverged = []
+    for index, (b, s) in enumerate(zip(batched, solo)):
+        b, s = b.outputs[0], s.outputs[0]
+        for k, (b_token, s_token) in enumerate(zip(b.token_ids, s.token_ids)):
+            if b_token != s_token:
+                assert b_token in s.logprobs[k], (index, k, b_token, s.logprobs[k])
+                gap = s.logprobs[k][s_token].logprob - s.logprobs[k][b_token].logprob
+                assert gap <= max_drift, (index, k, b_token, s_token, gap)
+                diverged.append(index)
+                break
+            drift = abs(b.logprobs[k][b_token].logprob - s.logprobs[k][s_token].logprob)
+            assert drift <= max_drift, (index, k, b_token, drift)
+        else:
+            assert len(b.token_ids) == len(s.token_ids), index
+    return diverged

@@ -5,7 +5,7 @@ import pytest
 
 from orca_jax.sampling_params import SamplingParams
 
-from .conftest import SMOLLM2_LIMITS, make_engine, run_all
+from .conftest import FLOAT32_MAX_DRIFT, SMOLLM2_LIMITS, diverging_requests, greedy_with_logprobs, make_engine, run_all
 
 POLICIES = ["static", "orca", "paged", "chunked"]
 
@@ -39,16 +39,16 @@ def test_engine_greedy_matches_the_reference(smollm2, smollm2_runner, smollm2_re
 
 
 def workload(requests, sampling):
-    return [(p, SamplingParams(temperature=0.0, max_tokens=m) if sampling == "greedy"
+    return [(p, greedy_with_logprobs(m) if sampling == "greedy"
              else SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=m, seed=i))
             for i, (p, m) in enumerate(requests)]
 
 
 @pytest.fixture(scope="module")
-def solo_tokens(smollm2, smollm2_runner, requests):
+def solo_outputs(smollm2, smollm2_runner, requests):
     """Each request run alone (one engine per request): the same for every policy, so computed once."""
     return {
-        sampling: [run_all(make_engine(smollm2_runner, smollm2, "chunked", **SMOLLM2_LIMITS), [r])[0].outputs[0].token_ids
+        sampling: [run_all(make_engine(smollm2_runner, smollm2, "chunked", **SMOLLM2_LIMITS), [r])[0]
                    for r in workload(requests, sampling)]
         for sampling in ("greedy", "seeded")
     }
@@ -56,9 +56,12 @@ def solo_tokens(smollm2, smollm2_runner, requests):
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-def test_batched_equals_solo(smollm2, smollm2_runner, requests, solo_tokens, policy, sampling):
+def test_batched_equals_solo(smollm2, smollm2_runner, requests, solo_outputs, policy, sampling):
     engine = make_engine(smollm2_runner, smollm2, policy, **SMOLLM2_LIMITS)
     batched = run_all(engine, workload(requests, sampling))
-    assert engine.num_steps < sum(len(t) for t in solo_tokens[sampling])  # requests did share steps
-    assert [out.outputs[0].token_ids for out in batched] == solo_tokens[sampling]
+    solo = solo_outputs[sampling]
+    assert engine.num_steps < sum(len(o.outputs[0].token_ids) for o in solo)  # requests did share steps
+    assert [out.outputs[0].token_ids for out in batched] == [o.outputs[0].token_ids for o in solo]
+    if sampling == "greedy":  # float32: the same tokens, and logprobs equal up to rounding
+        assert diverging_requests(batched, solo, max_drift=FLOAT32_MAX_DRIFT) == []
     assert smollm2_runner.num_compilations_after_warmup == 0
