@@ -35,9 +35,10 @@ def run_all(engine, requests):
 # rides in by rounding: float32 logprobs moved by at most 4.3e-5 nats on SmolLM2 (measured), which
 # leaves greedy tokens identical; bfloat16 rounds each activation to 8 bits, which turns the same
 # differences into up to 0.35 nats (measured), so a greedy path may part where two tokens were that
-# close.
+# close; with only the KV pages in bfloat16 (float32 activations) 0.008 nats were measured.
 FLOAT32_MAX_DRIFT = 1e-3  # nats
-BFLOAT16_MAX_DRIFT = 0.75  # nats
+BFLOAT16_MAX_DRIFT = 0.5  # nats
+BFLOAT16_PAGES_MAX_DRIFT = 0.05  # nats
 
 
 def greedy_with_logprobs(max_tokens):
