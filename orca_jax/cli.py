@@ -164,6 +164,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "the pages a --kv-cache-memory budget holds")
     group.add_argument("--tensor-parallel-size", type=int, help="devices each layer is split over")
     group.add_argument("--pipeline-parallel-size", type=int, help="pipeline stages the layers are split into")
+    group.add_argument("--structured-outputs-config", type=json_object_arg, metavar="JSON",
+                       help="vLLM's flag: defaults for constrained requests, e.g. '{\"disable_additional_properties\": "
+                            "false}' lets objects whose schema does not say additionalProperties carry invented "
+                            "keys and json_object be unbounded (default true: only the keys a schema lists)")
     hosts = parser.add_argument_group(
         "multi-host (start one process per host with the same flags; process 0 prints or serves, the others "
         "follow it; defaults from $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID)")
@@ -226,7 +230,35 @@ def engine_config(args: argparse.Namespace):
                            max_num_batched_tokens=args.max_num_batched_tokens),
         parallel=override(base.parallel, tensor_parallel_size=args.tensor_parallel_size,
                           pipeline_parallel_size=args.pipeline_parallel_size),
+        structured_outputs=_structured_outputs_config(base.structured_outputs, args.structured_outputs_config),
     )
+
+
+def json_object_arg(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error}): {text!r}") from error
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def _structured_outputs_config(base, given: dict | None):
+    """--structured-outputs-config over the config file's; an unknown key is an error naming the known."""
+    import dataclasses
+
+    from orca_jax.config import ConfigError
+
+    if given is None:
+        return base
+    known = {f.name for f in dataclasses.fields(base)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ConfigError(f"--structured-outputs-config: unknown keys {unknown}; known: {sorted(known)}")
+    return dataclasses.replace(base, **given)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -221,6 +221,21 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Defaults for constrained requests (vLLM's --structured-outputs-config); a request's own
+    `structured_outputs` options override them."""
+
+    # True: an object schema that does not say `additionalProperties` generates only the properties
+    # it lists, and json_object is bounded (engine/json_schema.py), so a small model cannot run on
+    # inventing keys until max_tokens cuts the JSON. False: JSON Schema's letter (any extra key).
+    disable_additional_properties: bool = True
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.disable_additional_properties, bool),
+                 f"disable_additional_properties must be true or false, got {self.disable_additional_properties!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL  # preset name or checkpoint directory
     max_model_len: int | None = None  # tokens per sequence (prompt + output); None: the model's context length
@@ -229,6 +244,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
         _check_literal(self, "attention_impl", typing.get_args(AttentionImpl))

@@ -27,6 +27,10 @@ class StructuredOutputsParams:
     choice: list[str] | None = None  # the output is exactly one of these strings
     grammar: str | None = None  # a context-free grammar: Lark (llguidance's dialect) or GBNF
     json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
+    # An option, not a constraint (vLLM's name). None: the engine's setting (by default true: an
+    # object schema that does not say additionalProperties generates only the keys it lists, and
+    # json_object is bounded). False: extra keys wherever JSON Schema allows them.
+    disable_additional_properties: bool | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -34,6 +38,9 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise ValueError(f"structured outputs take exactly one of json, regex, choice, grammar, json_object; "
                              f"got {given or 'none'}")
+        if self.disable_additional_properties not in (None, True, False):
+            raise ValueError(f"structured outputs disable_additional_properties must be true or false, "
+                             f"got {self.disable_additional_properties!r}")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError(f"structured outputs json must be a JSON schema (an object), got {self.json!r}")
         if self.choice is not None and not (isinstance(self.choice, list) and self.choice

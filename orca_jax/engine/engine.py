@@ -95,7 +95,8 @@ class LLMEngine:
         self.step_time_s = 0.0  # wall time inside step(), host work and device work together
         self.in_flight: deque[tuple[SchedulerOutput, object]] = deque()  # dispatched, oldest first
         self.in_flight_depths: Counter[int] = Counter()  # iterations in flight right after each dispatch
-        self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size) if tokenizer is not None else None
+        self.grammars = None if tokenizer is None else GrammarCompiler(
+            tokenizer, model_config.vocab_size, config.structured_outputs.disable_additional_properties)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,

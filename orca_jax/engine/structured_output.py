@@ -26,11 +26,13 @@ import threading
 import llguidance
 import numpy as np
 
+from orca_jax.engine.json_schema import BOUNDED_OBJECT, close_objects
 from orca_jax.sampling_params import StructuredOutputsParams
 from orca_jax.tokenizer import Tokenizer
 
-# JSON comes out as json.dumps writes it: ", " and ": ", no other whitespace. With free whitespace a
-# small model can pad with newlines until max_tokens instead of closing the object.
+# JSON comes out as json.dumps writes it: ", " and ": ", no other whitespace (llguidance's default is
+# any run of it). With free whitespace a small model can pad with newlines until max_tokens instead
+# of closing the object.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 128  # compiled constraints kept (a request that repeats one skips the compile)
 
@@ -67,8 +69,9 @@ class GrammarCompiler:
     """Compiles constraints against one tokenizer. Thread-safe: the server checks constraints on its
     event loop's worker threads while the engine thread makes matchers."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, disable_additional_properties: bool = True):
         self._tokenizer = tokenizer
+        self.disable_additional_properties = disable_additional_properties  # for requests that leave it None
         self._vocab_size = vocab_size  # the model's (the mask covers every logit), >= the tokenizer's
         self._lltokenizer: llguidance.LLTokenizer | None = None  # built on first use (~0.4 s)
         self._cache: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()
@@ -76,7 +79,8 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A fresh matcher at the start of the constraint's grammar; GrammarError if it cannot be compiled."""
-        grammar = llguidance_grammar(spec)
+        strict = spec.disable_additional_properties
+        grammar = llguidance_grammar(spec, self.disable_additional_properties if strict is None else strict)
         with self._lock:
             matcher = self._cache.get(grammar)
             if matcher is not None:
@@ -103,11 +107,18 @@ class GrammarCompiler:
         return Grammar(self.compile(spec))
 
 
-def llguidance_grammar(spec: StructuredOutputsParams) -> str:
-    """The constraint in llguidance's grammar format (not yet checked against the tokenizer)."""
+def llguidance_grammar(spec: StructuredOutputsParams, disable_additional_properties: bool = True) -> str:
+    """The constraint in llguidance's grammar format (not yet checked against the tokenizer).
+    `disable_additional_properties`: objects get only the keys their schema lists, json_object is
+    bounded (engine/json_schema.py)."""
     try:
-        if spec.json is not None or spec.json_object:
-            schema = {"type": "object"} if spec.json_object else spec.json
+        if spec.json_object:
+            schema = BOUNDED_OBJECT if disable_additional_properties else {"type": "object"}
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        if spec.json is not None:
+            schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+            if disable_additional_properties:
+                schema = close_objects(schema)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if spec.regex is not None:
             return llguidance.LLMatcher.grammar_from_regex(spec.regex)

@@ -122,7 +122,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat(await read_json(request))
     engine = state.require_engine()
     model = _check_model(state, req.model)
-    params, parser = _tool_settings(state, req)
+    params, parser = _tool_settings(state, engine, req)
+    forced = req.tools is not None and req.tool_choice not in ("none", "auto")
     _, ids = _tokenize(engine, _render_chat(state, engine, req.messages, tools=req.tools,
                                             kwargs=req.chat_template_kwargs))
     if not req.max_tokens_given:  # OpenAI's default: whatever room the context leaves
@@ -137,7 +138,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         async with contextlib.aclosing(outputs):
             response_id = record.request_id = responses.new_id("chatcmpl")
             if req.stream:
-                chunks = _chat_chunks(outputs, req, params, parser, response_id, model, len(ids))
+                chunks = _chat_chunks(outputs, req, params, parser, forced, response_id, model, len(ids))
                 return await _send_events(request, chunks)
             (final,) = await _collect(outputs, 1)
     choices = []
@@ -145,7 +146,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         logprobs = None if c.logprobs is None else responses.chat_logprobs(c.token_ids, c.logprobs)
         message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
         if parser is not None:
-            content, calls = tool_calls.parse_text(c.text, parser)
+            content, calls = tool_calls.parse_text(c.text, parser, forced)
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
                 finish_reason = responses.tool_finish_reason(finish_reason)
@@ -190,7 +191,7 @@ async def detokenize(request: web.Request) -> web.Response:
     return web.json_response({"prompt": tokenizer.decode(req.tokens)})
 
 
-def _tool_settings(state: ServerState, req) -> tuple[SamplingParams, str | None]:
+def _tool_settings(state: ServerState, engine: AsyncLLMEngine, req) -> tuple[SamplingParams, str | None]:
     """The request's sampling parameters with the grammar that forces a tool call (tool_choice
     "required" or a named function), and the parser that finds calls in the output (None: no tools)."""
     params = req.params
@@ -201,7 +202,10 @@ def _tool_settings(state: ServerState, req) -> tuple[SamplingParams, str | None]
             raise invalid("an output constraint (response_format, structured_outputs, guided_*) cannot be combined "
                           f"with tool_choice {req.tool_choice!r}, which constrains the output to a tool call",
                           "tool_choice")
-        grammar = tool_calls.forced_grammar(req.tools, req.tool_choice, req.parallel_tool_calls)
+        strict = req.disable_additional_properties
+        if strict is None:
+            strict = engine.engine.config.structured_outputs.disable_additional_properties
+        grammar = tool_calls.forced_grammar(req.tools, req.tool_choice, req.parallel_tool_calls, strict)
         params = params.clone(structured_outputs=StructuredOutputsParams(grammar=grammar))
     return params, state.settings.tool_call_parser
 
@@ -364,12 +368,12 @@ async def _completion_chunks(outputs, req, response_id: str, model: str, echo: l
                                  responses.usage(prompt_tokens, completion_tokens))
 
 
-async def _chat_chunks(outputs, req, params: SamplingParams, parser: str | None, response_id: str, model: str,
-                       prompt_tokens: int) -> AsyncIterator[dict]:
+async def _chat_chunks(outputs, req, params: SamplingParams, parser: str | None, forced: bool, response_id: str,
+                       model: str, prompt_tokens: int) -> AsyncIterator[dict]:
     deltas = [responses.ChoiceDeltas(params.stop) for _ in range(params.n)]
     # With tools, each choice's text goes through the tool-call parser: content deltas as they come,
     # each call in one delta once its block is complete (name, id and the whole arguments).
-    parsers = [tool_calls.TOOL_CALL_PARSERS[parser]() for _ in range(params.n)] if parser else None
+    parsers = [tool_calls.TOOL_CALL_PARSERS[parser](forced) for _ in range(params.n)] if parser else None
     completion_tokens = 0
 
     def chunk(index: int, delta: dict, logprobs=None, finish_reason=None) -> dict:

@@ -22,6 +22,9 @@ SAMPLING_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "mi
                        "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 STRUCTURED_OUTPUTS_KEYS = {"json", "regex", "choice", "grammar", "json_object"}
+# Options beside a constraint, or alone: then they apply to response_format / guided_json, or to the
+# arguments of a forced tool call.
+STRUCTURED_OUTPUTS_OPTIONS = {"disable_additional_properties"}
 COMMON_HONOURED = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
                    "stream_options", "stop", "presence_penalty", "frequency_penalty", "seed", "logit_bias",
                    "response_format"}
@@ -87,6 +90,7 @@ class ChatRequest:
     tool_choice: str | dict  # "none", "auto", "required", or {"type": "function", "function": {"name"}}
     parallel_tool_calls: bool
     chat_template_kwargs: dict  # extra variables for the chat template (vLLM's)
+    disable_additional_properties: bool | None = None  # structured_outputs' option, for forced tool calls
 
 
 @dataclass
@@ -147,7 +151,7 @@ def parse_chat(body: Any) -> ChatRequest:
     tool_choice = _tool_choice(body, tools)
     return ChatRequest(_model(body), _messages(body), params, max_tokens_given, stream, include_usage,
                        continuous_usage, tools, tool_choice, _get(body, "parallel_tool_calls", bool, True),
-                       _template_kwargs(body))
+                       _template_kwargs(body), _structured_options(body).get("disable_additional_properties"))
 
 
 def parse_tokenize(body: Any) -> TokenizeRequest:
@@ -327,13 +331,14 @@ def _structured_outputs(body: dict) -> StructuredOutputsParams | None:
         if body.get(field) is not None:
             given[field] = (kind, body[field])
     structured = _get(body, "structured_outputs", dict)
+    options = _structured_options(body)
     if structured:
-        unknown = set(structured) - STRUCTURED_OUTPUTS_KEYS
+        unknown = set(structured) - STRUCTURED_OUTPUTS_KEYS - STRUCTURED_OUTPUTS_OPTIONS
         if unknown:
             raise invalid(f"unknown structured_outputs keys {sorted(unknown)}; this server knows "
-                          f"{sorted(STRUCTURED_OUTPUTS_KEYS)}", "structured_outputs")
+                          f"{sorted(STRUCTURED_OUTPUTS_KEYS | STRUCTURED_OUTPUTS_OPTIONS)}", "structured_outputs")
         for kind, value in structured.items():
-            if value not in (None, False):
+            if kind in STRUCTURED_OUTPUTS_KEYS and value not in (None, False):
                 given[f"structured_outputs.{kind}"] = (kind, value)
     if not given:
         return None
@@ -341,9 +346,21 @@ def _structured_outputs(body: dict) -> StructuredOutputsParams | None:
         raise invalid(f"give one output constraint, got {sorted(given)}", sorted(given)[0].split(".")[0])
     (field, (kind, value)), = given.items()
     try:
-        return StructuredOutputsParams(**{kind: value})
+        return StructuredOutputsParams(**{kind: value}, **options)
     except (TypeError, ValueError) as error:
         raise invalid(f"'{field}': {error}", field.split(".")[0]) from error
+
+
+def _structured_options(body: dict) -> dict:
+    """structured_outputs' options that were given, checked (a 400 naming the option)."""
+    structured = body.get("structured_outputs")
+    options = {k: v for k, v in structured.items() if k in STRUCTURED_OUTPUTS_OPTIONS and v is not None} \
+        if isinstance(structured, dict) else {}
+    for name, value in options.items():
+        if not isinstance(value, bool):
+            raise invalid(f"structured_outputs.{name} must be true or false, got {json_type(value)}",
+                          "structured_outputs")
+    return options
 
 
 def _template_kwargs(body: dict) -> dict:

@@ -20,8 +20,10 @@ Hermes format (NousResearch Hermes 2 Pro, Qwen2.5):
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
+from orca_jax.engine.json_schema import close_objects
 from orca_jax.engine.structured_output import JSON_OPTIONS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -105,17 +107,26 @@ def render_call(name: str, arguments) -> str:
     return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CLOSE}"
 
 
-def forced_grammar(tools: list[dict], tool_choice: str | dict, parallel: bool) -> str:
+# OpenAI: a function without `parameters` takes none.
+NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def forced_grammar(tools: list[dict], tool_choice: str | dict, parallel: bool,
+                   disable_additional_properties: bool = True) -> str:
     """A Lark grammar (llguidance's dialect) for `required` (one call of any tool, or several when
-    `parallel`) or a named function (exactly one call of it)."""
+    `parallel`) or a named function (exactly one call of it). `disable_additional_properties`: the
+    arguments get only the properties their schema lists (engine/json_schema.py), as json_schema
+    outputs do; else SmolLM2 fills `{"properties": {}}` with invented ones until max_tokens."""
     if isinstance(tool_choice, dict):
         tools = [t for t in tools if t["function"]["name"] == tool_choice["function"]["name"]]
         parallel = False
 
     def call_schema(tool: dict) -> dict:
         function = tool["function"]
-        return {"type": "object", "properties": {"name": {"const": function["name"]},
-                                                 "arguments": function.get("parameters") or {"type": "object"}},
+        parameters = function.get("parameters") or NO_PARAMETERS
+        if disable_additional_properties:
+            parameters = close_objects(parameters)
+        return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
                 "required": ["name", "arguments"], "additionalProperties": False}
 
     schema = call_schema(tools[0]) if len(tools) == 1 else {"anyOf": [call_schema(t) for t in tools]}
@@ -130,9 +141,12 @@ class HermesParser:
 
     Whitespace around a call is not content. Text that could still become `<tool_call>` is held
     back until the next piece decides it. A block that is not a JSON {"name", "arguments"} object
-    stays content, as the model wrote it."""
+    stays content, as the model wrote it, unless the call was `forced` (tool_choice "required" or
+    named): its grammar wrote the block, so one that max_tokens cut is still a call, with the
+    arguments as far as they got (as OpenAI returns a cut call, with finish_reason "length")."""
 
-    def __init__(self):
+    def __init__(self, forced: bool = False):
+        self._forced = forced
         self._buffer = ""  # text not yet classified
         self._held = ""  # trailing whitespace of the content so far: dropped if a call follows
         self._in_call = False
@@ -152,6 +166,8 @@ class HermesParser:
                 self._buffer = "" if end < 0 else self._buffer[end + len(CLOSE):]
                 self._in_call = False
                 call = _parse_call(body)
+                if call is None and self._forced and end < 0:
+                    call = _cut_call(body)
                 if call is None:
                     content += self._content(OPEN + body + ("" if end < 0 else CLOSE))
                 else:
@@ -205,10 +221,21 @@ def _parse_call(body: str) -> dict | None:
             "function": {"name": value["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
+# What a forced call's grammar writes before the arguments (json.dumps' layout, JSON_OPTIONS).
+CUT_CALL = re.compile(r'\s*\{"name": "((?:[^"\\]|\\.)*)("(, "arguments": )?)?(.*)', re.DOTALL)
+
+
+def _cut_call(body: str) -> dict:
+    """A forced call that max_tokens cut: its name (as far as written) and its arguments' text."""
+    match = CUT_CALL.match(body)
+    name, arguments = (match.group(1), match.group(4) if match.group(3) else "") if match else ("", "")
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 TOOL_CALL_PARSERS = {"hermes": HermesParser}
 
 
-def parse_text(text: str, parser: str) -> tuple[str | None, list[dict]]:
+def parse_text(text: str, parser: str, forced: bool = False) -> tuple[str | None, list[dict]]:
     """Content (None when empty) and calls of a whole generated text."""
-    content, calls = TOOL_CALL_PARSERS[parser]().feed(text, final=True)
+    content, calls = TOOL_CALL_PARSERS[parser](forced).feed(text, final=True)
     return content or None, calls

@@ -7,6 +7,7 @@ on device. Requests run concurrently so they share batches, as in serving.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import json
@@ -207,10 +208,12 @@ TOOLS = [WEATHER, ADD]
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
-def check_calls(message, allowed: list[dict]) -> None:
+def check_calls(message, allowed: list[dict], cut: bool = False) -> None:
+    """Each call validates; with `cut` (finish_reason "length") the last one holds the arguments as
+    far as max_tokens let them go."""
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in allowed}
     assert message.tool_calls
-    for call in message.tool_calls:
+    for call in message.tool_calls[:-1] if cut else message.tool_calls:
         assert call.type == "function" and call.id.startswith("call_")
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
@@ -221,10 +224,10 @@ def test_required_and_named_tool_calls(client):
                                               parallel_tool_calls=False, max_tokens=64, temperature=0)
     assert required.choices[0].finish_reason == "tool_calls" and required.choices[0].message.content is None
     check_calls(required.choices[0].message, TOOLS)
-    # Parallel calls (the default): every complete call validates, even where max_tokens cut the last one.
+    # Parallel calls (the default): every complete call validates; one that max_tokens cut is still a call.
     parallel = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, tool_choice="required",
                                               max_tokens=64, temperature=0)
-    check_calls(parallel.choices[0].message, TOOLS)
+    check_calls(parallel.choices[0].message, TOOLS, cut=parallel.choices[0].finish_reason == "length")
     named = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=64, temperature=0,
                                            tool_choice={"type": "function", "function": {"name": "add"}})
     assert named.choices[0].finish_reason == "tool_calls"
@@ -290,3 +293,145 @@ def test_chat_template_override_and_kwargs(smollm2_server):
         state.settings = original
     assert smollm2_server.engine.tokenizer.decode(tokens) == "user: Hi\nBot says:"
     assert usage["prompt_tokens"] == len(tokens)
+
+
+# Issue 17: schemas that do not say additionalProperties. SmolLM2 used to invent keys
+# ("population_density_by_year": ...) until max_tokens cut the JSON; by default only listed keys are
+# generated now. Arrays are bounded only where the schema bounds them (maxItems below), as written.
+TOWN = "Answer in JSON about a small town by the sea."
+OPEN_SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string"}, "population": {"type": "integer"}},
+     "required": ["name", "population"]},
+    {"type": "object", "properties": {"town": {"type": "object", "properties": {
+        "name": {"type": "string"}, "country": {"type": "string"}}, "required": ["name"]},
+        "beaches": {"type": "integer"}}, "required": ["town"]},
+    {"type": "object", "properties": {"attractions": {"type": "array", "maxItems": 3, "items": {
+        "type": "object", "properties": {"name": {"type": "string"}, "kind": {"enum": ["beach", "museum", "harbour"]}},
+        "required": ["name", "kind"]}}}, "required": ["attractions"]},
+    {"type": "object", "properties": {"climate": {"enum": ["mild", "cold", "hot"]}, "has_port": {"type": "boolean"}}},
+    {"type": "object", "properties": {"name": {"type": "string"}, "nickname": {"type": "string"},
+                                      "founded": {"type": "integer"}}, "required": ["name"]},
+    {"type": "object", "properties": {"mayor": {"type": "object", "properties": {
+        "name": {"type": "string"}, "party": {"enum": ["blue", "green"]}}}}, "required": ["mayor"]},
+    {"type": "object", "properties": {"streets": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+                                      "hills": {"type": "integer"}}, "required": ["streets"]},
+    {"type": "object", "properties": {"boats": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
+        "type": "object", "properties": {"kind": {"type": "string"}, "count": {"type": "integer"}},
+        "required": ["kind"]}}}, "required": ["boats"]},
+    {"type": "object", "$defs": {"place": {"type": "object", "properties": {"name": {"type": "string"}}}},
+     "properties": {"harbour": {"$ref": "#/$defs/place"}, "lighthouse": {"$ref": "#/$defs/place"}},
+     "required": ["harbour"]},
+    {"type": "object", "properties": {"weather": {"anyOf": [
+        {"type": "object", "properties": {"sunny": {"type": "boolean"}}, "required": ["sunny"]},
+        {"type": "string"}]}, "rating": {"type": "number"}}, "required": ["weather"]},
+]
+
+
+def json_schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
+def listed_keys_only(value, schema: dict, root: dict | None = None) -> bool:
+    """Every object in `value` carries only keys its (sub)schema lists (anyOf: its first alternative)."""
+    root = root or schema
+    schema = root["$defs"][schema["$ref"].split("/")[-1]] if "$ref" in schema else schema.get("anyOf", [schema])[0]
+    if isinstance(value, dict):
+        properties = schema.get("properties", {})
+        return set(value) <= set(properties) and all(listed_keys_only(v, properties[k], root)
+                                                     for k, v in value.items())
+    if isinstance(value, list):
+        return all(listed_keys_only(v, schema["items"], root) for v in value)
+    return True
+
+
+def chat_at_once(server, requests: list[dict]) -> list:
+    """Chat completions sent together through the async client (so the engine batches them): choices."""
+    async def everything():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+        async with client:
+            replies = await asyncio.gather(*[client.chat.completions.create(model="smollm2", temperature=0, **r)
+                                             for r in requests])
+        return [reply.choices[0] for reply in replies]
+
+    return asyncio.run(everything())
+
+
+def test_schemas_without_additional_properties_close(smollm2_server):
+    """The issue's figure: each of 10 open schemas closes (finish "stop") within 160 tokens at
+    temperature 0 with only the listed keys; one more, cut by max_tokens, says "length"."""
+    ask = [{"messages": [{"role": "user", "content": TOWN}], "max_tokens": 160,
+            "response_format": json_schema_format(schema)} for schema in OPEN_SCHEMAS]
+    *choices, cut = chat_at_once(smollm2_server, ask + [{**ask[0], "max_tokens": 6}])
+    for schema, choice in zip(OPEN_SCHEMAS, choices):
+        assert choice.finish_reason == "stop", (schema, choice.message.content)
+        value = json.loads(choice.message.content)
+        jsonschema.validate(value, schema)
+        assert listed_keys_only(value, schema), (schema, value)
+    assert cut.finish_reason == "length" and not cut.message.content.endswith("}")
+
+
+def test_lenient_option_allows_invented_properties(client):
+    """structured_outputs.disable_additional_properties false (vLLM's option) restores JSON Schema's
+    letter: SmolLM2 goes on past the listed keys."""
+    reply = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": TOWN}], max_tokens=24, temperature=0,
+        response_format=json_schema_format(OPEN_SCHEMAS[0]),
+        extra_body={"structured_outputs": {"disable_additional_properties": False}})
+    keys = set(re.findall(r'"(\w+)": ', reply.choices[0].message.content))
+    assert keys - {"name", "population"}, reply.choices[0].message.content
+
+
+JSON_OBJECT_PROMPTS = [TOWN, "Describe your favourite book as JSON.", "Give me a JSON object about cats.",
+                       "List three fruits and their colours in JSON.", "Describe a sunny day as a JSON object."]
+
+
+def test_json_object_closes(smollm2_server):
+    """json_object is bounded (engine/json_schema.py): 5 prompts each give a parsed object within 80
+    tokens (unbounded, 0 of them did)."""
+    for choice in chat_at_once(smollm2_server, [{"messages": [{"role": "user", "content": p}], "max_tokens": 80,
+                                                 "response_format": {"type": "json_object"}}
+                                                for p in JSON_OBJECT_PROMPTS]):
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(json.loads(choice.message.content), dict)
+
+
+def test_structured_outputs_option_of_the_wrong_type_is_400(smollm2_server):
+    status, _, raw = http(smollm2_server, "POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "response_format": {"type": "json_object"},
+        "structured_outputs": {"disable_additional_properties": "no"}})
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == "structured_outputs", raw
+    assert "disable_additional_properties must be true or false, got a string" in error["message"]
+
+
+GET_TIME = {"type": "function", "function": {"name": "get_time", "description": "The current time",
+                                             "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_call_of_a_tool_without_parameters(client, tool_choice):
+    """Arguments `{}` (vLLM #28806 dropped them), streamed as whole; SmolLM2 used to fill the empty
+    `properties` with invented ones until max_tokens, and the call came back as content."""
+    kwargs = dict(model="smollm2", messages=[{"role": "user", "content": "What time is it?"}], tools=[GET_TIME],
+                  tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=48, temperature=0)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None, whole
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [("get_time", "{}")]
+    streamed = []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            assert not choice.delta.content, choice
+            streamed += [(d.function.name, d.function.arguments) for d in choice.delta.tool_calls or []]
+    assert streamed == [("get_time", "{}")]
+
+
+def test_forced_call_cut_by_max_tokens_is_still_a_call(client):
+    """A forced call is never plain text: cut by max_tokens, it comes back as a call with the
+    arguments as far as they got, and finish_reason "length" (as OpenAI does)."""
+    reply = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=20,
+                                           temperature=0, tool_choice={"type": "function",
+                                                                       "function": {"name": "get_weather"}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith('{"city"')

@@ -111,3 +111,26 @@ def test_templates_that_render_tools_get_them(compiler):
     text = tokenizer.apply_chat_template(messages, tools=[WEATHER], template=template, greeting="hello")
     assert text == ("[get_weather]hello<user>Weather in Paris and Rome?"
                     "<assistant>get_weather(Paris)get_weather(Rome)<tool>sunny")
+
+
+def test_forced_call_of_a_tool_without_parameters_is_empty(compiler):
+    """`"properties": {}` (or no parameters) admits only `{}`: SmolLM2 filled it with invented keys."""
+    for parameters in ({"type": "object", "properties": {}}, None):
+        tool = {"type": "function", "function": {"name": "get_time", **({"parameters": parameters} if parameters else {})}}
+        grammar = forced_grammar([tool], "required", parallel=False)
+        assert accepts(compiler, grammar, render_call("get_time", {})) == (True, True)
+        assert not accepts(compiler, grammar, render_call("get_time", {"type": "object"}))[0]
+    lenient = forced_grammar([WEATHER], "required", parallel=False, disable_additional_properties=False)
+    assert accepts(compiler, lenient, render_call("get_weather", {"city": "Paris", "when": "now"})) == (True, True)
+    strict = forced_grammar([WEATHER], "required", parallel=False)
+    assert not accepts(compiler, strict, render_call("get_weather", {"city": "Paris", "when": "now"}))[0]
+
+
+def test_a_forced_call_cut_short_is_still_a_call():
+    cut = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b'
+    assert parse_text(cut, "hermes") == (cut, [])  # "auto": the model's own text, whatever it is
+    content, calls = parse_text(cut, "hermes", forced=True)
+    assert content is None and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+        [("add", '{"a": 1, "b')]
+    _, calls = parse_text('<tool_call>\n{"name": "ad', "hermes", forced=True)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("ad", "")]
