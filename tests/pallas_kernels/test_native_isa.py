@@ -15,9 +15,9 @@ from .test_ragged_paged_attention import lengths, make_batch
 @pytest.fixture
 def restore_isa():
     require_native()
-    best = native.isa()
+    chosen = native.isa()
     yield
-    native.select_isa(best)
+    native.select_isa(chosen)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -29,7 +29,7 @@ def test_every_variant_matches_the_reference_and_the_best_variant(restore_isa, d
     scale = 1.0 / np.sqrt(head_dim)
     want = np.asarray(ragged_paged_attention_reference(*args, sm_scale=scale), np.float32)
     variants = native.supported_isas()
-    assert variants[-1] == "base" and native.isa() == variants[0]
+    assert variants[-1] == "base" and native.isa() in variants  # the best, unless $ORCA_JAX_NATIVE_ISA chose one
     outputs = {}
     for name in variants:
         native.select_isa(name)
