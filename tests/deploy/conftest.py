@@ -39,3 +39,26 @@ def require_promtool() -> str:
 
 def require_prometheus() -> str:
     return require_tool("prometheus", "apt-get install prometheus (Debian/Ubuntu)")
+
+
+def serve_config(args: list[str], monkeypatch):
+    """Parses `orca-jax serve ARGS` with the real command line and builds its EngineConfig and
+    DistributedConfig, without loading anything: unknown flags and bad values fail as they would in a pod."""
+    from orca_jax import cli
+
+    assert args[0] == "serve", args
+    seen = []
+
+    def capture(parsed):
+        seen.append((parsed, cli.engine_config(parsed), cli.distributed_config(parsed)))
+        return 0
+
+    monkeypatch.setattr(cli, "_serve", capture)
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):  # flags only
+        monkeypatch.delenv(name, raising=False)
+    try:
+        code = cli.main(args)
+    except SystemExit as exit:  # argparse: unknown flag or bad value (its message went to stderr)
+        pytest.fail(f"orca-jax {' '.join(args)} is refused by the command line (exit {exit.code})")
+    assert code == 0 and len(seen) == 1, f"orca-jax {' '.join(args)} failed with {code}"
+    return seen[0]
