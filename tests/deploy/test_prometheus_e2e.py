@@ -57,6 +57,13 @@ class Prometheus:
         assert body["status"] == "success", body
         return body["data"]
 
+    def wait_for(self, query: str, timeout: float = 15) -> list[dict]:
+        """The query's result once it is non-empty (a rate needs two scrapes, then a rule evaluation)."""
+        deadline = time.monotonic() + timeout
+        while not (result := self.api("query", query=query)["result"]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return result
+
     def wait_ready(self, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -136,9 +143,9 @@ def test_prometheus_scrapes_the_server_and_the_kv_alert_goes_pending(tiny_server
                   for name in ("orca_jax_engine_ready", "orca_jax_max_num_seqs", "up")}
         assert values == {"orca_jax_engine_ready": 1, "orca_jax_max_num_seqs": 8, "up": 1}
         # The recording rules compute from the scraped series (running / max_num_seqs is within 0..1).
-        utilisation = prometheus.api("query", query="max_over_time(orca_jax:batch_utilisation:ratio[1m])")["result"]
+        utilisation = prometheus.wait_for("max_over_time(orca_jax:batch_utilisation:ratio[1m])")
         assert utilisation and 0 < float(utilisation[0]["value"][1]) <= 1, utilisation
-        throughput = prometheus.api("query", query="max_over_time(orca_jax:generation_tokens:rate1m[1m])")["result"]
+        throughput = prometheus.wait_for("max_over_time(orca_jax:generation_tokens:rate1m[1m])")
         assert throughput and float(throughput[0]["value"][1]) > 0, throughput
         # Nothing else is wrong with this server: no other alert is active.
         others = [alert["labels"]["alertname"] for alert in prometheus.api("alerts")["alerts"]
