@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from orca_jax.engine.async_engine import EngineStats
@@ -30,6 +30,9 @@ class _EngineCollector:
 
     def collect(self):
         stats = self._stats()
+        # /health's answer as a series, so an alert can tell "compiling too long" from "down" (up == 0).
+        yield GaugeMetricFamily("orca_jax_engine_ready", "1 once the engine is warmed up and serving, 0 while "
+                                "it loads and compiles", value=0 if stats is None else 1)
         if stats is None:  # still warming up
             return
         gauges = (("orca_jax_num_requests_running", "Sequences in the running batch", stats.num_running),
@@ -74,6 +77,14 @@ class ServerMetrics:
                                          registry=r)
         self.queue_time = Histogram("orca_jax_request_queue_time_seconds", "Arrival to first scheduled",
                                     buckets=LATENCY_BUCKETS, registry=r)
+        # The configured limit, so batch utilisation (running / max_num_seqs) can be computed in PromQL
+        # (as vLLM users read it from the engine's config); set once the engine is built.
+        self.max_num_seqs = Gauge("orca_jax_max_num_seqs", "Configured --max-num-seqs: sequences the engine runs "
+                                  "at once", registry=r)
+
+    def set_engine_limits(self, max_num_seqs: int) -> None:
+        """Called once the engine is ready."""
+        self.max_num_seqs.set(max_num_seqs)
 
     def on_step(self, stats: EngineStats) -> None:
         """Called by the engine thread after every iteration."""
