@@ -297,7 +297,7 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from orca_jax.server.app import API_KEY_ENV, ServerSettings
+    from orca_jax.server.state import API_KEY_ENV, ServerSettings
     from orca_jax.server.serve import serve
 
     # Our own progress at INFO; the libraries' (absl, orbax) chatter only from WARNING up.

@@ -11,7 +11,7 @@ NO_JAX_MODULES = [
     "orca_jax.engine.request", "orca_jax.engine.kv_manager", "orca_jax.engine.scheduler",
     "orca_jax.engine.detokenizer", "orca_jax.engine.step_plan", "orca_jax.engine.engine",
     "orca_jax.engine.async_engine", "orca_jax.engine.structured_output", "orca_jax.parallel.multihost",
-    "orca_jax.server.protocol", "orca_jax.server.responses", "orca_jax.server.metrics", "orca_jax.server.app",
+    "orca_jax.server.protocol", "orca_jax.server.responses", "orca_jax.server.metrics", "orca_jax.server.app", "orca_jax.server.state",
     "orca_jax.server.handlers", "orca_jax.server.serve", "orca_jax.server.tool_calls",
     "orca_jax.sizes", "orca_jax.parallel.layout", "orca_jax.parallel.plan_cli",
 ]

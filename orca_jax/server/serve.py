@@ -23,7 +23,8 @@ from typing import Callable
 from aiohttp import web
 
 from orca_jax.engine.async_engine import AsyncLLMEngine
-from orca_jax.server.app import ServerSettings, ServerState, create_app
+from orca_jax.server.app import create_app
+from orca_jax.server.state import ServerSettings, ServerState
 
 log = logging.getLogger("orca_jax.server")
 

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from orca_jax.checkpoint.train_tiny import counting_sequence
-from orca_jax.server.app import ServerSettings
+from orca_jax.server.state import ServerSettings
 
 from .conftest import ServerThread, http, sse_events, tiny_engine_factory
 
