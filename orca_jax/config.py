@@ -31,9 +31,13 @@ Architecture = Literal["llama", "gpt2"]
 RopeScalingKind = Literal["llama3", "freq_factors"]
 DType = Literal["float32", "bfloat16", "float16"]
 KVCacheDType = Literal["auto", "float32", "bfloat16"]
-SchedulingPolicy = Literal["static", "orca", "paged", "chunked"]
+SchedulingPolicy = Literal["static", "orca", "paged", "chunked"]  # each a class in engine/scheduler.py's POLICIES
 AttentionImpl = Literal["auto", "native", "pallas", "xla"]
 DTypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+# The choice lists, defined once: the CLI's choices, the TOML loader's checks and their errors use them.
+SCHEDULING_POLICIES: tuple[str, ...] = typing.get_args(SchedulingPolicy)
 
 
 class ConfigError(ValueError):
@@ -202,7 +206,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # tokens in one forward pass (prefill + decode)
 
     def __post_init__(self) -> None:
-        _check_literal(self, "policy", typing.get_args(SchedulingPolicy))
+        _check_literal(self, "policy", SCHEDULING_POLICIES)
         _check_positive(self, "max_num_seqs", "max_num_batched_tokens")
         _require(
             self.max_num_batched_tokens >= self.max_num_seqs,
