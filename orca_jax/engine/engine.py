@@ -25,7 +25,7 @@ from orca_jax.engine.kv_manager import KVCacheManager
 from orca_jax.engine.output_processor import OutputProcessor, RequestGroup, Sample
 from orca_jax.engine.request import Request, RequestStatus
 from orca_jax.engine.scheduler import SchedulerOutput, make_scheduler
-from orca_jax.engine.step_plan import Runner, RunnerLost, SampledToken
+from orca_jax.engine.step_plan import Runner, RunnerLost, SampledToken, build_step_plan
 from orca_jax.engine.structured_output import GrammarCompiler, GrammarError
 from orca_jax.outputs import RequestMetrics, RequestOutput
 from orca_jax.sampling_params import MAX_STOP_IDS, SamplingParams
@@ -53,14 +53,13 @@ class StepFailed(RuntimeError):
 class LLMEngine:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, runner: Runner, tokenizer: Tokenizer | None,
                  max_model_len: int | None = None):
-        """`runner` executes SchedulerOutputs (the ModelRunner, or a mock in scheduler tests)."""
+        """`runner` executes StepPlans (the ModelRunner, or a mock in scheduler tests)."""
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len or model_config.max_position
         self.runner = runner
-        num_pages = runner.num_pages
-        self.kv = KVCacheManager(num_pages, config.cache.page_size, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(runner.kv_layout.num_pages, config.cache.page_size, config.cache.enable_prefix_caching)
         # With a pipeline of depth d, each step takes about 1/d of the running requests.
         per_step = -(-config.scheduler.max_num_seqs // runner.max_in_flight)
         self.scheduler = make_scheduler(config.scheduler, self.kv, max_seqs_per_step=per_step)
@@ -191,7 +190,8 @@ class LLMEngine:
 
     def _dispatch(self, scheduled: SchedulerOutput) -> None:
         try:
-            pending = self.runner.dispatch(scheduled)
+            plan = build_step_plan(scheduled, self.runner.buckets, self.runner.kv_layout, self.model_config.vocab_size)
+            pending = self.runner.dispatch(plan)
         except RunnerLost:
             raise  # not this step's fault: nothing can run any more
         except Exception as error:
