@@ -56,7 +56,7 @@ from workloads import WorkloadSpec, build_workload, describe, named_spec, save_j
 from orca_jax import LLM, SamplingParams
 from orca_jax.config import SchedulerConfig
 from orca_jax.engine.engine import LLMEngine
-from orca_jax.engine.runner import RunnerStats
+from orca_jax.runner.model_runner import RunnerStats
 from orca_jax.engine.step_plan import StepPlan, padding_plan
 from orca_jax.model.paged_attention import PAGES_PER_BLOCK
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from orca_jax.config import DEFAULT_MODEL
-from orca_jax.parallel.multihost import DistributedConfig, follow_leader, run_process
+from orca_jax.parallel.multihost import DistributedConfig, run_process
 from orca_jax.parallel.plan_cli import add_plan_arguments, plan_command
 from orca_jax.sizes import byte_size
 
@@ -240,7 +240,7 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     config, dist = engine_config(args), distributed_config(args)
     if dist is not None and not dist.is_leader:
-        return run_process(dist, lambda: follow_leader(config, dist))
+        return run_process(dist, lambda: _follow_leader(config, dist))
     prompts = _read_prompts(args)
     if not prompts:
         print("error: no prompts given (pass them as arguments, with --file, or on stdin)", file=sys.stderr)
@@ -293,6 +293,12 @@ def _read_chat_template(path: str) -> str:
     return source
 
 
+def _follow_leader(config, dist: DistributedConfig) -> int:
+    from orca_jax.runner.follower import follow_leader  # imports jax: only a follower process needs it
+
+    return follow_leader(config, dist)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
@@ -319,7 +325,7 @@ def _serve(args: argparse.Namespace) -> int:
     if not is_complete(checkpoint):
         raise CheckpointError(missing_checkpoint_message(config.model, checkpoint))
     if dist is not None and not dist.is_leader:
-        return run_process(dist, lambda: follow_leader(config, dist))
+        return run_process(dist, lambda: _follow_leader(config, dist))
     settings = ServerSettings(
         model_name=args.served_model_name or config.model,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

@@ -9,7 +9,7 @@ for the model. The engine builds it, once per step, from the scheduler's output:
     engine    <──{request id: SampledToken}── runner.collect <── the step's one small result
 
 The runner puts the plan on the devices as two pytrees: the attention metadata with the token ids
-(runner/runner.py's StepInputs) and `SamplingArrays`, the numpy twin of the sampler's SamplingMetadata.
+(runner/model_runner.py's StepInputs) and `SamplingArrays`, the numpy twin of the sampler's SamplingMetadata.
 
 `dispatch` returns at once (jax's asynchronous dispatch); `collect` blocks on that step's result.
 The engine keeps up to `runner.max_in_flight` steps dispatched (the pipeline depth), so pipeline

@@ -44,7 +44,7 @@ from jaxtyping import Array, Int
 from tqdm.auto import tqdm
 
 from orca_jax.config import ConfigError, ParallelConfig, kv_page_dtype
-from orca_jax.engine.compile_cache import ExecutableStore, enable_compilation_cache
+from orca_jax.runner.compile_cache import ExecutableStore, enable_compilation_cache
 from orca_jax.engine.step_plan import Buckets, KVLayout, RunnerLost, SampledToken, StepPlan, padding_plan, sampled_tokens
 from orca_jax.model.attention import AttentionMetadata
 from orca_jax.model.decoder import Decoder, DecoderStage
