@@ -38,6 +38,9 @@ DTypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
 
 # The choice lists, defined once: the CLI's choices, the TOML loader's checks and their errors use them.
 SCHEDULING_POLICIES: tuple[str, ...] = typing.get_args(SchedulingPolicy)
+ATTENTION_IMPL_CHOICES: tuple[str, ...] = typing.get_args(AttentionImpl)
+DTYPE_CHOICES: tuple[str, ...] = typing.get_args(DTypeSetting)
+KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = typing.get_args(KVCacheDType)
 
 
 class ConfigError(ValueError):
@@ -191,7 +194,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _check_positive(self, "page_size", "kv_cache_memory")
-        _check_literal(self, "kv_cache_dtype", typing.get_args(KVCacheDType))
+        _check_literal(self, "kv_cache_dtype", KV_CACHE_DTYPE_CHOICES)
 
 
 def kv_page_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
@@ -235,8 +238,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        _check_literal(self, "attention_impl", typing.get_args(AttentionImpl))
-        _check_literal(self, "dtype", typing.get_args(DTypeSetting))
+        _check_literal(self, "attention_impl", ATTENTION_IMPL_CHOICES)
+        _check_literal(self, "dtype", DTYPE_CHOICES)
         if self.max_model_len is not None:
             _check_positive(self, "max_model_len")
         _require(

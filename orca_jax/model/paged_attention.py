@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from orca_jax.config import ConfigError, compilation_cache_dir
+from orca_jax.config import ATTENTION_IMPL_CHOICES, ConfigError, compilation_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ def resolve_attention_impl(requested: str, platform: str) -> str:
             return "native"
         _warn_fallback(reason)
         return "xla"
-    raise ValueError(f"attention_impl={requested!r}; choose 'auto', 'native', 'pallas' or 'xla'")
+    raise ValueError(f"attention_impl={requested!r}; choose one of {list(ATTENTION_IMPL_CHOICES)}")
 
 
 def native_cache_dir():
