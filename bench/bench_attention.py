@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax.model.paged_attention import ragged_paged_attention_xla
+from orca_jax.model.paged_attention import native_cache_dir, ragged_paged_attention_xla
 from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
 from pallas_kernels.native import ragged_paged_attention_native, unavailable_reason
 
@@ -105,7 +105,7 @@ def main() -> None:
     on_gpu = backend == "gpu"
     impls = {"xla": jax.jit(lambda *a: ragged_paged_attention_xla(*a, sm_scale=scale))}
     if backend == "cpu":
-        reason = unavailable_reason()
+        reason = unavailable_reason(native_cache_dir())
         if reason is None:
             impls["native"] = lambda *a: ragged_paged_attention_native(*a, sm_scale=scale)
         else:

@@ -56,7 +56,7 @@ from workloads import WorkloadSpec, build_workload, describe, named_spec, save_j
 from orca_jax import LLM, SamplingParams
 from orca_jax.config import SchedulerConfig
 from orca_jax.engine.engine import LLMEngine
-from orca_jax.engine.runner import RunnerStats
+from orca_jax.runner.model_runner import RunnerStats
 from orca_jax.engine.step_plan import StepPlan, padding_plan
 from orca_jax.model.paged_attention import PAGES_PER_BLOCK
 
@@ -76,7 +76,8 @@ class TimingRunner:
 
     def __init__(self, runner):
         self.runner = runner
-        self.num_pages = runner.num_pages
+        self.kv_layout = runner.kv_layout
+        self.buckets = runner.buckets
         self.token_times: dict[str, list[float]] = defaultdict(list)
         self.steps: list[tuple[int, int, int]] = []  # (tokens, sequences, static padding rows)
         self.step_seconds: list[float] = []  # the runner's time for each step
@@ -89,7 +90,7 @@ class TimingRunner:
         now = time.monotonic()
         for request_id in sampled:
             self.token_times[request_id].append(now)
-        self.steps.append((plan.num_batched_tokens, len(plan.scheduled), plan.num_padding_seqs))
+        self.steps.append((plan.num_real_tokens, len(plan.request_ids), plan.num_padding_seqs))
         return sampled
 
     def collect(self, sampled):

@@ -26,7 +26,7 @@ from workloads import mixed_workload  # noqa: E402
 from orca_jax import LLM, SamplingParams  # noqa: E402
 from orca_jax.config import SchedulerConfig  # noqa: E402
 from orca_jax.engine.engine import LLMEngine  # noqa: E402
-from orca_jax.engine.runner import RunnerStats  # noqa: E402
+from orca_jax.runner.model_runner import RunnerStats  # noqa: E402
 from orca_jax.engine.step_plan import padding_plan  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -8,8 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from orca_jax.config import DEFAULT_MODEL
-from orca_jax.parallel.multihost import DistributedConfig, follow_leader, run_process
+from orca_jax.config import (ATTENTION_IMPL_CHOICES, DEFAULT_MODEL, DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES,
+                             SCHEDULING_POLICIES)
+from orca_jax.parallel.multihost import DistributedConfig, run_process
 from orca_jax.parallel.plan_cli import add_plan_arguments, plan_command
 from orca_jax.sizes import byte_size
 
@@ -144,7 +145,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine (defaults: --config file, else configs/engine/default.toml values)")
     group.add_argument("--config", type=Path, help="an EngineConfig TOML file, e.g. configs/engine/default.toml")
     group.add_argument("--model", help=f"preset name or checkpoint directory (default {DEFAULT_MODEL})")
-    group.add_argument("--policy", choices=["static", "orca", "paged", "chunked"], help="scheduling policy")
+    group.add_argument("--policy", choices=SCHEDULING_POLICIES, help="scheduling policy")
     group.add_argument("--max-num-seqs", type=int, help="requests running at once")
     group.add_argument("--max-num-batched-tokens", type=int, help="tokens per forward pass")
     group.add_argument("--page-size", type=int, help="tokens per KV page")
@@ -155,11 +156,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int,
                        help="tokens per sequence, prompt + output (default: the model's context length); a shorter "
                             "one lets orca/static reserve less KV per request")
-    group.add_argument("--attention-impl", choices=["auto", "native", "xla", "pallas"])
-    group.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+    group.add_argument("--attention-impl", choices=ATTENTION_IMPL_CHOICES)
+    group.add_argument("--dtype", choices=DTYPE_CHOICES,
                        help="weights, activations and KV pages (auto: the checkpoint's own dtype, but float32 on CPU, "
                             "where bfloat16 is slower; bfloat16 halves weights and KV pages)")
-    group.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"],
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES,
                        help="KV pages (auto: the model's dtype); bfloat16 halves what attention reads and doubles "
                             "the pages a --kv-cache-memory budget holds")
     group.add_argument("--tensor-parallel-size", type=int, help="devices each layer is split over")
@@ -272,7 +273,7 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     config, dist = engine_config(args), distributed_config(args)
     if dist is not None and not dist.is_leader:
-        return run_process(dist, lambda: follow_leader(config, dist))
+        return run_process(dist, lambda: _follow_leader(config, dist))
     prompts = _read_prompts(args)
     if not prompts:
         print("error: no prompts given (pass them as arguments, with --file, or on stdin)", file=sys.stderr)
@@ -325,11 +326,17 @@ def _read_chat_template(path: str) -> str:
     return source
 
 
+def _follow_leader(config, dist: DistributedConfig) -> int:
+    from orca_jax.runner.follower import follow_leader  # imports jax: only a follower process needs it
+
+    return follow_leader(config, dist)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from orca_jax.server.app import API_KEY_ENV, ServerSettings
+    from orca_jax.server.state import API_KEY_ENV, ServerSettings
     from orca_jax.server.serve import serve
 
     # Our own progress at INFO; the libraries' (absl, orbax) chatter only from WARNING up.
@@ -351,7 +358,7 @@ def _serve(args: argparse.Namespace) -> int:
     if not is_complete(checkpoint):
         raise CheckpointError(missing_checkpoint_message(config.model, checkpoint))
     if dist is not None and not dist.is_leader:
-        return run_process(dist, lambda: follow_leader(config, dist))
+        return run_process(dist, lambda: _follow_leader(config, dist))
     settings = ServerSettings(
         model_name=args.served_model_name or config.model,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

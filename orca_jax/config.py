@@ -31,9 +31,16 @@ Architecture = Literal["llama", "gpt2"]
 RopeScalingKind = Literal["llama3", "freq_factors"]
 DType = Literal["float32", "bfloat16", "float16"]
 KVCacheDType = Literal["auto", "float32", "bfloat16"]
-SchedulingPolicy = Literal["static", "orca", "paged", "chunked"]
+SchedulingPolicy = Literal["static", "orca", "paged", "chunked"]  # each a class in engine/scheduler.py's POLICIES
 AttentionImpl = Literal["auto", "native", "pallas", "xla"]
 DTypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+# The choice lists, defined once: the CLI's choices, the TOML loader's checks and their errors use them.
+SCHEDULING_POLICIES: tuple[str, ...] = typing.get_args(SchedulingPolicy)
+ATTENTION_IMPL_CHOICES: tuple[str, ...] = typing.get_args(AttentionImpl)
+DTYPE_CHOICES: tuple[str, ...] = typing.get_args(DTypeSetting)
+KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = typing.get_args(KVCacheDType)
 
 
 class ConfigError(ValueError):
@@ -187,7 +194,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _check_positive(self, "page_size", "kv_cache_memory")
-        _check_literal(self, "kv_cache_dtype", typing.get_args(KVCacheDType))
+        _check_literal(self, "kv_cache_dtype", KV_CACHE_DTYPE_CHOICES)
 
 
 def kv_page_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
@@ -202,7 +209,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # tokens in one forward pass (prefill + decode)
 
     def __post_init__(self) -> None:
-        _check_literal(self, "policy", typing.get_args(SchedulingPolicy))
+        _check_literal(self, "policy", SCHEDULING_POLICIES)
         _check_positive(self, "max_num_seqs", "max_num_batched_tokens")
         _require(
             self.max_num_batched_tokens >= self.max_num_seqs,
@@ -247,8 +254,8 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
-        _check_literal(self, "attention_impl", typing.get_args(AttentionImpl))
-        _check_literal(self, "dtype", typing.get_args(DTypeSetting))
+        _check_literal(self, "attention_impl", ATTENTION_IMPL_CHOICES)
+        _check_literal(self, "dtype", DTYPE_CHOICES)
         if self.max_model_len is not None:
             _check_positive(self, "max_model_len")
         _require(

@@ -48,8 +48,8 @@ class LLM:
         override the compiled step shapes (default: powers of two up to the limits). `config`: a whole
         EngineConfig (e.g. from a TOML file), used instead of the engine keyword arguments.
         `distributed`: a multihost.DistributedConfig when this process leads others (after
-        `multihost.initialize`); the followers run `orca_jax.parallel.multihost.follow`."""
-        from orca_jax.engine.builder import BuildOptions, build_engine
+        `multihost.initialize`); the followers run `orca_jax.runner.follower.follow`."""
+        from orca_jax.runner.builder import BuildOptions, build_engine
 
         if config is not None:
             engine_args = dict(model=model, scheduling_policy=scheduling_policy, max_num_seqs=max_num_seqs,

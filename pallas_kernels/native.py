@@ -18,12 +18,13 @@ L1, keeps an online softmax per row, and adds each V row to all rows at once. De
 reads each cached K/V byte once per step, which is what bounds it. Items run on XLA's intra-op
 thread pool.
 
-Build: g++ compiles the source on first use (or in `make setup`, `python -m pallas_kernels.native`)
-into `native/` under the one cache directory ($ORCA_JAX_COMPILATION_CACHE, default .jax_cache/),
-named by a hash of the source, flags, compiler and jax versions; a file lock and an atomic rename keep
-concurrent processes from building twice or loading half a file. No -march=native: the library holds
+Build: `unavailable_reason(cache_dir)` has g++ compile the source once into the directory its
+caller chooses (orca_jax passes `native/` under its one cache directory; `make setup` runs
+`python -m pallas_kernels.native DIR`), named by a hash of the source, flags, compiler and jax
+versions; a file lock and an atomic rename keep concurrent processes from building twice or loading
+half a file. The kernels run once it has loaded the library; this package imports nothing from orca_jax. No -march=native: the library holds
 AVX-512, AVX2 and baseline code and picks at load, so it may be copied between x86 machines.
-`unavailable_reason()` says why the library cannot be used (no compiler, failed build); callers
+`unavailable_reason(cache_dir)` says why the library cannot be used (no compiler, failed build); callers
 then fall back to the XLA path (orca_jax.model.paged_attention).
 """
 
@@ -44,7 +45,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from pallas_kernels.ragged_paged_attention import _validate, ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention import check_inputs, ragged_paged_attention_reference
 
 SOURCE = Path(__file__).resolve().parent / "cpu" / "ragged_paged_attention.cc"
 TARGET = "orca_ragged_paged_attention"
@@ -79,20 +80,18 @@ def _compiler() -> tuple[str, str]:
     return path, version.splitlines()[0] if version else "unknown"
 
 
-def library_path(compiler_version: str) -> Path:
-    """Where the library for this source, these flags, this compiler and this jax lives."""
-    from orca_jax.config import compilation_cache_dir
-
+def library_path(compiler_version: str, cache_dir: Path) -> Path:
+    """Where in `cache_dir` the library for this source, these flags, this compiler and this jax lives."""
     key = hashlib.sha256("\0".join([SOURCE.read_text(), *CXX_FLAGS, compiler_version, jax.__version__,
                                     jaxlib.__version__]).encode()).hexdigest()[:16]
-    return compilation_cache_dir() / "native" / f"ragged_paged_attention-{key}.so"
+    return Path(cache_dir) / f"ragged_paged_attention-{key}.so"
 
 
-def build() -> Path:
+def build(cache_dir: Path) -> Path:
     """Compiles the library unless it is already there; returns its path. One process builds, the
     others wait on the lock and find the file; it appears whole (renamed into place) or not at all."""
     compiler, version = _compiler()
-    path = library_path(version)
+    path = library_path(version, cache_dir)
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -143,10 +142,8 @@ def _registered(path: Path) -> ctypes.CDLL:
 
 
 def _library() -> ctypes.CDLL:
-    reason = unavailable_reason()
-    if reason is not None:
-        raise NativeUnavailable(reason)
-    return _registered(build())
+    _require_loaded()
+    return _loaded
 
 
 def supported_isas() -> tuple[str, ...]:
@@ -174,17 +171,42 @@ def _select(library: ctypes.CDLL, name: str, asked: str) -> None:
         raise ValueError(f"{asked}: this CPU cannot run the {name} variant; it has {', '.join(has)}")
 
 
-@functools.cache
-def unavailable_reason() -> str | None:
-    """None when the kernel is built, loaded and registered (building it if needed); otherwise why
-    not, in one sentence that says what to install. Cached: tried once per process."""
+_NOT_TRIED = object()
+_attempt = _NOT_TRIED  # the first call's answer: XLA knows the kernel by fixed names, so a process loads one library
+_loaded: ctypes.CDLL | None = None  # that library, once it loaded
+
+
+def unavailable_reason(cache_dir: Path) -> str | None:
+    """None when the kernel is built (in `cache_dir`, if not there yet), loaded and registered;
+    otherwise why not, in one sentence that says what to install. Tried once per process: later
+    calls get the first answer, whatever directory they name (`forget_attempt` starts over)."""
+    global _attempt
+    if _attempt is _NOT_TRIED:
+        _attempt = _try_loading(cache_dir)
+    return _attempt
+
+
+def forget_attempt() -> None:
+    """Lets the next `unavailable_reason` try again (tests of the build and of its failures)."""
+    global _attempt
+    _attempt = _NOT_TRIED
+
+
+def _try_loading(cache_dir: Path) -> str | None:
+    global _loaded
     try:
-        _registered(build())
+        _loaded = _registered(build(cache_dir))
     except NativeUnavailable as error:
         return str(error)
     except (OSError, subprocess.SubprocessError) as error:
         return f"the native attention library could not be built or loaded ({error}); {INSTALL_HINT}"
     return None
+
+
+def _require_loaded() -> None:
+    if _loaded is None:
+        raise NativeUnavailable("the native attention library is not loaded; call unavailable_reason(cache_dir) "
+                                "first, which builds and loads it")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
@@ -199,14 +221,12 @@ def ragged_paged_attention_native(
     *,
     sm_scale: float,
 ) -> jax.Array:
-    """See the module docstring. Raises NativeUnavailable when the library cannot be built."""
-    _validate(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens)
+    """See the module docstring. Raises NativeUnavailable when the library is not loaded."""
+    check_inputs(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens)
     for name, array in (("q", q), ("k_pages", k_pages)):
         if array.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"ragged_paged_attention_native: {name} must be float32 or bfloat16, got {array.dtype}")
-    reason = unavailable_reason()
-    if reason is not None:
-        raise NativeUnavailable(reason)
+    _require_loaded()
     # The kernel takes q and gives its output in f32: converting them here costs a few KB per call,
     # against the pages' MBs, and halves the variants compiled.
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
@@ -221,9 +241,7 @@ def write_kv_native(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax
     """Writes k, v [T, K, Dh] into the pages' slots (page * page_size + offset) in place (the results
     alias the page arguments; donate them). Slots outside the cache are skipped. For bfloat16 pages:
     XLA:CPU's own scatter converts the whole page array to write a few rows."""
-    reason = unavailable_reason()
-    if reason is not None:
-        raise NativeUnavailable(reason)
+    _require_loaded()
     call = jax.ffi.ffi_call(WRITE_TARGET, (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                                            jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
                             input_output_aliases={0: 0, 1: 1})
@@ -231,5 +249,8 @@ def write_kv_native(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax
 
 
 if __name__ == "__main__":  # `make setup`: build now rather than on first use; never fails the install
-    reason = unavailable_reason()
-    print(f"native attention: {'not available: ' + reason if reason else f'built, {build()} ({isa()} variant)'}")
+    import sys
+
+    directory = Path(sys.argv[1])
+    reason = unavailable_reason(directory)
+    print(f"native attention: {'not available: ' + reason if reason else f'built, {build(directory)} ({isa()} variant)'}")

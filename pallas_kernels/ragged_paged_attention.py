@@ -113,7 +113,8 @@ def _kernel(
         o_ref[:, g, :] = out.astype(o_ref.dtype)
 
 
-def _validate(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens) -> None:
+def check_inputs(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens) -> None:
+    """The contract's shapes and dtypes, shared by every implementation of it (native.py too)."""
     def fail(message: str):
         raise ValueError(f"ragged_paged_attention: {message}")
 
@@ -154,7 +155,7 @@ def ragged_paged_attention(
     interpret: bool = False,
 ) -> jax.Array:
     """See the module docstring. `interpret=True` runs the kernel body as plain JAX (any backend)."""
-    _validate(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens)
+    check_inputs(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens)
     num_tokens, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     num_seqs, _ = block_tables.shape

@@ -27,9 +27,10 @@ def require_native() -> None:
     import os
     import shutil
 
+    from orca_jax.model.paged_attention import native_cache_dir
     from pallas_kernels.native import unavailable_reason
 
-    reason = unavailable_reason()
+    reason = unavailable_reason(native_cache_dir())
     if reason is None:
         return
     if shutil.which(os.environ.get("CXX", "g++")) is None:
@@ -81,7 +82,7 @@ def smollm2_bf16(smollm2):  # after `smollm2`, which pulls the checkpoint on fir
 # Runners are compiled once per session and shared by engine and server tests.
 def warm_tiny_runner(tiny_trained, attention_impl, tp=1, pp=1):
     from orca_jax.config import ParallelConfig
-    from orca_jax.engine.runner import ModelRunner
+    from orca_jax.runner.model_runner import ModelRunner
     from orca_jax.engine.step_plan import Buckets
 
     runner = ModelRunner(tiny_trained.model, num_pages=160, page_size=4, max_model_len=128,
@@ -93,7 +94,7 @@ def warm_tiny_runner(tiny_trained, attention_impl, tp=1, pp=1):
 
 def warm_smollm2_runner(smollm2, tp=1, pp=1, kv_cache_dtype="auto", attention_impl="auto"):
     from orca_jax.config import ParallelConfig
-    from orca_jax.engine.runner import ModelRunner
+    from orca_jax.runner.model_runner import ModelRunner
     from orca_jax.engine.step_plan import Buckets
 
     # "auto": what users get (the native kernel on CPU when it builds), so the reference and

@@ -10,6 +10,8 @@ How the threads meet:
 3. The engine thread loops: drain the inbox (adds, aborts), run one `step()`, and hand each
    RequestOutput to its request's queue with `loop.call_soon_threadsafe`. With nothing to do it
    blocks on the inbox instead of spinning.
+   The event loop may also read what never changes after start-up (the tokenizer, the limits) and
+   `validate` a request against them: the public surface below, all a server needs.
 4. After every step the engine thread publishes an EngineStats snapshot (a new frozen object, so a
    reader on another thread never sees it half-written) and calls `step_listener`, if any, with
    it: that is how /metrics sees the scheduler without touching it.
@@ -34,10 +36,12 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from orca_jax.config import StructuredOutputsConfig
 from orca_jax.engine.engine import LLMEngine, StepFailed
 from orca_jax.engine.step_plan import RunnerLost
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
+from orca_jax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +120,35 @@ class AsyncLLMEngine:
         finally:
             if not finished:
                 self._inbox.put(_Abort(request_id))
+
+    # ---- what the event loop may ask: fixed at start-up, so safe from any thread ----------------
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + output) one request can ever hold."""
+        return self.engine.max_request_tokens
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Requests the engine runs at once."""
+        return self.engine.config.scheduler.max_num_seqs
+
+    @property
+    def structured_outputs(self) -> StructuredOutputsConfig:
+        """The defaults of constrained requests (a forced tool call's grammar is built from them)."""
+        return self.engine.config.structured_outputs
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises RequestRejected, naming the limit, for a request that could never be served (what
+        `generate` would fail with), so a server can answer 400 before it starts a stream."""
+        self.engine.validate(prompt_token_ids, params)
 
     def shutdown(self, timeout: float | None = None) -> None:
         self._inbox.put(_STOP)

@@ -1,5 +1,10 @@
 """Iteration-level scheduling policies. Pure Python, no jax: `schedule()` returns a plan as data.
 
+Each policy is a `Scheduler` class in `POLICIES` (name -> class; `make_scheduler` picks one by the
+config's name). The engine asks its scheduler the policy's questions (`max_prompt_tokens`,
+`releases_whole_batches`) and never names a policy, so a new policy is a class here plus its name
+in the config's choice list (`config.SCHEDULING_POLICIES`).
+
 One call plans one forward pass: which requests take part and how many of their tokens are computed
 (1 for a decode, a whole prompt or a chunk of it for a prefill), under `max_num_seqs` requests and
 `max_num_batched_tokens` tokens. After the runner has executed the plan, `update_after_step()`
@@ -71,6 +76,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    """The machinery every policy shares (queue, admission, preemption, finishing, the update
+    after a step) with vLLM's behaviour (`paged`); each policy below overrides what differs."""
+
+    # Whether results are held until the whole batch is done (the engine then emits nothing before).
+    releases_whole_batches = False
+    # Whether prompts are split into chunks that fill the token budget; decodes then go first.
+    chunks_prompts = False
+    # Whether running out of pages preempts a running request (False: reservations rule it out).
+    preempts = True
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_seqs_per_step: int | None = None):
         self.config = config
         self.kv = kv
@@ -82,6 +97,11 @@ class Scheduler:
     # ---- queue ---------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        """The longest prompt this policy can ever admit (None: any, it splits prompts into chunks)."""
+        return None if self.chunks_prompts else self.config.max_num_batched_tokens
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting) or any(not r.finished for r in self.running)
@@ -99,32 +119,24 @@ class Scheduler:
         if request in self.waiting:
             self.waiting.remove(request)
             return [request]
-        if self.config.policy == "static":
-            if any(not r.finished for r in self.running):
-                return []
-            released, self.running = self.running, []
-            for r in released:
-                self.kv.free(r)
-            return released
+        return self._release_finished(request)
+
+    def _release_finished(self, request: Request) -> list[Request]:
+        """A finished running request leaves the batch and frees its pages."""
         self.running.remove(request)
         self.kv.free(request)
         return [request]
 
     # ---- planning ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        if self.config.policy == "static":
-            return self._schedule_static()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        chunked = self.config.policy == "chunked"
-        # Running requests: decodes first (chunked), then unfinished prefills; admission order.
-        running = sorted(self.running, key=lambda r: r.num_uncomputed_tokens > 1) if chunked else list(self.running)
-        for request in running:
+        for request in self._running_order():
             if request.status != RequestStatus.RUNNING or request.in_flight or budget == 0:
                 continue
             if len(out.scheduled) == self.max_seqs_per_step:
                 break
-            # Beyond `chunked`, only the recompute of a preempted request can exceed the budget; it
+            # Without chunked prompts, only the recompute of a preempted request can exceed the budget; it
             # continues in budget-sized pieces.
             num_new = min(request.num_uncomputed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, out):
@@ -135,11 +147,22 @@ class Scheduler:
             self._admit(out, budget)
         return out
 
+    def _running_order(self) -> list[Request]:
+        """The running requests in the order they claim the token budget: admission order, or with
+        chunked prompts decodes first, then unfinished prefills."""
+        if self.chunks_prompts:
+            return sorted(self.running, key=lambda r: r.num_uncomputed_tokens > 1)
+        return list(self.running)
+
+    def _reservation(self, request: Request, cached: int, num_new: int) -> int:
+        """Tokens of KV pages a request must get at admission: what this step computes."""
+        return cached + num_new
+
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         target = request.num_computed_tokens + num_new
         while not self.kv.allocate(request, target):
-            if self.config.policy == "orca":
-                raise AssertionError("orca reserved every page at admission; allocation cannot fail")
+            if not self.preempts:
+                raise AssertionError(f"{self.config.policy} reserved every page at admission; allocation cannot fail")
             victim = min((r for r in self.running if not r.in_flight),
                          key=lambda r: (r.num_computed_tokens, -r.metrics.arrival_time))
             self._preempt(victim, out)
@@ -165,17 +188,15 @@ class Scheduler:
         self.waiting.insert(len(head), victim)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        policy = self.config.policy
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(out.scheduled) < self.max_seqs_per_step):
             request = self.waiting[0]
             cached = self.kv.match_prefix(request)
             request.num_computed_tokens = cached
             need = request.num_uncomputed_tokens
-            splittable = policy == "chunked" or request.metrics.num_preemptions > 0
+            splittable = self.chunks_prompts or request.metrics.num_preemptions > 0
             num_new = min(need, budget) if splittable else need
-            reserve = request.max_total_tokens if policy == "orca" else cached + num_new
-            if num_new > budget or not self.kv.allocate(request, reserve):
+            if num_new > budget or not self.kv.allocate(request, self._reservation(request, cached, num_new)):
                 self.kv.free(request)  # give back prefix-cache pages taken above
                 request.num_computed_tokens = 0
                 break  # FCFS: nobody overtakes the head of the queue
@@ -186,34 +207,6 @@ class Scheduler:
             self._start_running(request)
             budget -= num_new
             self._plan(out, request, num_new)
-
-    def _schedule_static(self) -> SchedulerOutput:
-        """Request-level batching: admit a batch into an empty engine, prefill all of its prompts
-        (whole prompts, as many per step as the token budget holds), then decode the whole batch
-        together until its last member finishes."""
-        out = SchedulerOutput()
-        if any(r.in_flight for r in self.running):
-            return out  # the batch steps as one: wait for its step in flight
-        if not self.running:
-            while self.waiting and len(self.running) < self.config.max_num_seqs:
-                if not self.kv.allocate(self.waiting[0], self.waiting[0].max_total_tokens):
-                    break
-                self._start_running(self.waiting.popleft())
-        unprefilled = [r for r in self.running if r.num_computed_tokens == 0 and not r.finished]
-        if unprefilled:
-            budget = self.config.max_num_batched_tokens
-            for request in unprefilled:
-                if request.num_uncomputed_tokens > budget:
-                    break
-                budget -= request.num_uncomputed_tokens
-                self._plan(out, request, request.num_uncomputed_tokens)
-            return out
-        for request in self.running:
-            if request.finished:
-                out.num_padding_seqs += 1
-            else:
-                self._plan(out, request, request.num_uncomputed_tokens)
-        return out
 
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
@@ -242,3 +235,78 @@ class Scheduler:
                     request.metrics.first_token_time = time.monotonic()
                 advanced.append(request)
         return advanced
+
+
+class PagedScheduler(Scheduler):
+    """vLLM: admission while the prompt's pages fit, pages on demand, recompute preemption."""
+
+
+class ChunkedScheduler(Scheduler):
+    """Sarathi-Serve: decodes first, then prompt chunks fill the token budget."""
+
+    chunks_prompts = True
+
+
+class OrcaScheduler(Scheduler):
+    """The Orca paper: every iteration, FCFS, while a reservation of prompt + max_tokens fits."""
+
+    preempts = False
+
+    def _reservation(self, request: Request, cached: int, num_new: int) -> int:
+        return request.max_total_tokens
+
+
+class StaticScheduler(Scheduler):
+    """Request-level batching (the FasterTransformer baseline): see the module docstring."""
+
+    releases_whole_batches = True
+
+    def schedule(self) -> SchedulerOutput:
+        """Request-level batching: admit a batch into an empty engine, prefill all of its prompts
+        (whole prompts, as many per step as the token budget holds), then decode the whole batch
+        together until its last member finishes."""
+        out = SchedulerOutput()
+        if any(r.in_flight for r in self.running):
+            return out  # the batch steps as one: wait for its step in flight
+        if not self.running:
+            while self.waiting and len(self.running) < self.config.max_num_seqs:
+                if not self.kv.allocate(self.waiting[0], self.waiting[0].max_total_tokens):
+                    break
+                self._start_running(self.waiting.popleft())
+        unprefilled = [r for r in self.running if r.num_computed_tokens == 0 and not r.finished]
+        if unprefilled:
+            budget = self.config.max_num_batched_tokens
+            for request in unprefilled:
+                if request.num_uncomputed_tokens > budget:
+                    break
+                budget -= request.num_uncomputed_tokens
+                self._plan(out, request, request.num_uncomputed_tokens)
+            return out
+        for request in self.running:
+            if request.finished:
+                out.num_padding_seqs += 1
+            else:
+                self._plan(out, request, request.num_uncomputed_tokens)
+        return out
+
+    def _release_finished(self, request: Request) -> list[Request]:
+        """The batch keeps finished members as padding until its last member is done."""
+        if any(not r.finished for r in self.running):
+            return []
+        released, self.running = self.running, []
+        for r in released:
+            self.kv.free(r)
+        return released
+
+
+POLICIES: dict[str, type[Scheduler]] = {
+    "static": StaticScheduler,
+    "orca": OrcaScheduler,
+    "paged": PagedScheduler,
+    "chunked": ChunkedScheduler,
+}
+
+
+def make_scheduler(config: SchedulerConfig, kv: KVCacheManager, max_seqs_per_step: int | None = None) -> Scheduler:
+    """The scheduler of the config's policy."""
+    return POLICIES[config.policy](config, kv, max_seqs_per_step)

@@ -1,11 +1,15 @@
 """The engine-runner contract, without jax: the step plan, the sampled-token record, the Runner protocol.
 
-A `StepPlan` is one iteration as plain numpy arrays padded to a compiled bucket (DESIGN.md, "One
-iteration"): everything a device program needs, and no live `Request` objects, so a follower process
-can run the leader's plan as it is (multi-host) and a mock runner can stand in for the model.
+A `StepPlan` is one iteration as plain numpy arrays padded to one of the runner's compiled buckets
+(DESIGN.md, "One iteration"): everything a device program needs, and no live `Request` objects, so
+a follower process can run the leader's plan as it is (multi-host) and a mock runner can stand in
+for the model. The engine builds it, once per step, from the scheduler's output:
 
-    scheduler ──SchedulerOutput──> runner.dispatch ──build_step_plan──> StepPlan ──run_plan──> device
+    scheduler ──SchedulerOutput──> engine ──build_step_plan──> StepPlan ──runner.dispatch──> device
     engine    <──{request id: SampledToken}── runner.collect <── the step's one small result
+
+The runner puts the plan on the devices as two pytrees: the attention metadata with the token ids
+(runner/model_runner.py's StepInputs) and `SamplingArrays`, the numpy twin of the sampler's SamplingMetadata.
 
 `dispatch` returns at once (jax's asynchronous dispatch); `collect` blocks on that step's result.
 The engine keeps up to `runner.max_in_flight` steps dispatched (the pipeline depth), so pipeline
@@ -80,6 +84,35 @@ class KVLayout:
 
 
 @dataclasses.dataclass
+class SamplingArrays:
+    """Per-request sampling parameters as [S] rows: model/sampler.py's SamplingMetadata field for
+    field, in numpy (a test keeps the two in step). See there for each field's meaning."""
+
+    temperature: np.ndarray  # [S] float32
+    top_k: np.ndarray  # [S] int32
+    top_p: np.ndarray  # [S] float32
+    min_p: np.ndarray  # [S] float32
+    repetition_penalty: np.ndarray  # [S] float32
+    presence_penalty: np.ndarray  # [S] float32
+    frequency_penalty: np.ndarray  # [S] float32
+    seeds: np.ndarray  # [S] uint32
+    token_index: np.ndarray  # [S] int32
+    stop_ids: np.ndarray  # [S, MAX_STOP_IDS] int32
+    suppress_stop: np.ndarray  # [S] bool
+    # The [S, V] penalty arrays are None when no row uses penalties: the runner then passes zeros
+    # it keeps on the device, so such steps never ship them.
+    output_counts: np.ndarray | None  # [S, V] int32
+    seen_tokens: np.ndarray | None  # [S, V] bool
+    use_penalties: np.bool_
+    token_bitmask: np.ndarray  # [S, W] int32
+    use_bitmask: np.bool_
+    bias_ids: np.ndarray  # [S, MAX_LOGIT_BIAS] int32
+    bias_values: np.ndarray  # [S, MAX_LOGIT_BIAS] float32
+    use_logit_bias: np.bool_
+    need_logprobs: np.bool_
+
+
+@dataclasses.dataclass
 class StepPlan:
     """One step's device inputs, padded to the bucket (T tokens, S sequences). Picklable."""
 
@@ -90,14 +123,17 @@ class StepPlan:
     block_tables: np.ndarray  # [S_max, max_pages] int32 (S_max = KVLayout.max_num_seqs)
     kv_lens: np.ndarray  # [S_max] cached tokens per sequence after this step
     logits_index: np.ndarray  # [S_max] last token of each sequence
-    sampling: dict[str, np.ndarray]  # SamplingMetadata's fields, [S] rows; penalty arrays None when unused
-    # (request id, row, top logprobs asked or None) for every row that samples a token: leader only.
-    sample_rows: list[tuple[str, int, int | None]] = dataclasses.field(default_factory=list)
+    sampling: SamplingArrays  # [S] rows
+    # Leader only: the request of every row, and (row, top logprobs asked or None) for every row
+    # that samples a token.
+    request_ids: list[str] = dataclasses.field(default_factory=list)
+    sample_rows: list[tuple[int, int | None]] = dataclasses.field(default_factory=list)
     num_real_tokens: int = 0  # tokens before padding
+    num_padding_seqs: int = 0  # static policy: finished members that still take a row (and a token)
 
     @property
     def bucket(self) -> tuple[int, int]:
-        return len(self.token_ids), len(self.sampling["temperature"])
+        return len(self.token_ids), len(self.sampling.temperature)
 
 
 @dataclasses.dataclass
@@ -115,11 +151,11 @@ class RunnerLost(RuntimeError):
 class Runner(Protocol):
     """What the engine needs of a runner (the model runner, or a mock in scheduler tests)."""
 
-    num_pages: int
-    page_size: int
+    kv_layout: KVLayout  # the KV pages the plans address
+    buckets: Buckets  # the shapes a plan may take
     max_in_flight: int  # steps the engine may keep dispatched at once (the pipeline depth)
 
-    def dispatch(self, out: SchedulerOutput) -> Any:
+    def dispatch(self, plan: StepPlan) -> Any:
         """Starts the step without waiting for it; returns a handle for `collect`."""
 
     def collect(self, pending: Any) -> dict[str, SampledToken]:
@@ -150,6 +186,7 @@ def build_step_plan(out: SchedulerOutput, buckets: Buckets, kv: KVLayout, vocab_
     t = 0
     for row, planned in enumerate(out.scheduled):
         request, n, start = planned.request, planned.num_new_tokens, planned.start
+        plan.request_ids.append(request.request_id)
         pos = np.arange(start, start + n, dtype=np.int32)
         table = np.asarray(request.block_table, np.int32)
         plan.token_ids[t:t + n] = request.token_ids_between(start, start + n)
@@ -160,9 +197,10 @@ def build_step_plan(out: SchedulerOutput, buckets: Buckets, kv: KVLayout, vocab_
         plan.kv_lens[row] = start + n
         plan.logits_index[row] = t + n - 1
         if planned.samples:
-            plan.sample_rows.append((request.request_id, row, request.params.logprobs))
+            plan.sample_rows.append((row, request.params.logprobs))
         t += n
     plan.num_real_tokens = out.num_batched_tokens
+    plan.num_padding_seqs = out.num_padding_seqs
     return plan
 
 
@@ -171,10 +209,8 @@ def bitmask_width(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
-def sampling_arrays(requests: list[Request], num_seqs: int, vocab_size: int) -> dict[str, np.ndarray]:
-    """Per-request sampling parameters as [S] arrays (SamplingMetadata's fields), so no combination of
-    parameters recompiles. The [S, V] penalty arrays are None when no request uses penalties: the
-    runner then passes zeros it keeps on the device."""
+def sampling_arrays(requests: list[Request], num_seqs: int, vocab_size: int) -> SamplingArrays:
+    """Per-request sampling parameters as [S] arrays, so no combination of parameters recompiles."""
     def column(get, dtype, fill):
         values = np.full(num_seqs, fill, dtype)
         values[:len(requests)] = [get(r) for r in requests]
@@ -210,7 +246,7 @@ def sampling_arrays(requests: list[Request], num_seqs: int, vocab_size: int) -> 
                 counts[row] = np.bincount(r.output_token_ids, minlength=vocab_size)
                 seen[row, r.prompt_token_ids] = True
                 seen[row] |= counts[row] > 0
-    return dict(
+    return SamplingArrays(
         temperature=column(lambda r: r.params.temperature, np.float32, 0.0),
         top_k=column(lambda r: r.params.top_k, np.int32, 0),
         top_p=column(lambda r: r.params.top_p, np.float32, 1.0),
@@ -237,7 +273,7 @@ def sampling_arrays(requests: list[Request], num_seqs: int, vocab_size: int) -> 
 def sampled_tokens(plan: StepPlan, tokens, logprob, top_ids, top_logprobs) -> dict[str, SampledToken]:
     """The step's host result ([S] arrays) back to the requests that asked for a token."""
     sampled = {}
-    for request_id, row, num_top in plan.sample_rows:
+    for row, num_top in plan.sample_rows:
         top = None if num_top is None else (top_ids[row, :num_top].tolist(), top_logprobs[row, :num_top].tolist())
-        sampled[request_id] = SampledToken(token=int(tokens[row]), logprob=float(logprob[row]), top=top)
+        sampled[plan.request_ids[row]] = SampledToken(token=int(tokens[row]), logprob=float(logprob[row]), top=top)
     return sampled

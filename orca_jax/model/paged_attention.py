@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from orca_jax.config import ConfigError
+from orca_jax.config import ATTENTION_IMPL_CHOICES, ConfigError, compilation_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -202,13 +202,18 @@ def resolve_attention_impl(requested: str, platform: str) -> str:
             return "native"
         _warn_fallback(reason)
         return "xla"
-    raise ValueError(f"attention_impl={requested!r}; choose 'auto', 'native', 'pallas' or 'xla'")
+    raise ValueError(f"attention_impl={requested!r}; choose one of {list(ATTENTION_IMPL_CHOICES)}")
+
+
+def native_cache_dir():
+    """Where the native kernel's library is built: `native/` under the one cache directory."""
+    return compilation_cache_dir() / "native"
 
 
 def _native_unavailable() -> str | None:
     from pallas_kernels.native import unavailable_reason
 
-    return unavailable_reason()
+    return unavailable_reason(native_cache_dir())
 
 
 @functools.cache  # one line per process and reason, however many runners are built

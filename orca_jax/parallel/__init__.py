@@ -1,6 +1,6 @@
 """Scale-out: the logical-axis rules and stage meshes (mesh.py), tensor-parallel attention
-(tensor_parallel.py), layout checks (layout.py), the memory plan (memory_plan.py) and multi-host
-follower processes (multihost.py).
+(tensor_parallel.py), layout checks (layout.py), the memory plan (memory_plan.py) and
+multi-host processes and the plan channel (multihost.py; the follower loop is runner/follower.py).
 
 `layout` is pure Python (the CLI and config checks use it without jax), so the mesh helpers that
 need jax are imported on first use rather than here.

@@ -13,7 +13,7 @@ How the processes meet:
    against its own, so processes started with different flags stop with an error instead of
    hanging. Then every step (warm-up included) it sends the StepPlan, plain numpy arrays, to every
    follower over that TCP connection (`PlanSender`, on the coordinator's port + 1), and runs it.
-4. A follower (`follow`) runs each plan it receives: its own stages, and its side of every
+4. A follower (`runner/follower.py`) runs each plan it receives: its own stages, and its side of every
    cross-process `jax.device_put` (activations from the previous stage's process, the sampled
    tokens back to the leader). Both sides of a transfer must make the same call in the same order,
    which is why every process runs every plan, in the leader's order.
@@ -95,7 +95,7 @@ def _send(sock: socket.socket, message) -> None:
     sock.sendall(_LENGTH.pack(len(data)) + data)
 
 
-def _receive(sock: socket.socket):
+def receive(sock: socket.socket):
     header = _receive_exactly(sock, _LENGTH.size)
     return pickle.loads(_receive_exactly(sock, _LENGTH.unpack(header)[0]))
 
@@ -162,45 +162,6 @@ def connect_to_leader(dist: DistributedConfig) -> socket.socket:
                 raise RunnerLost(f"could not reach the leader at {dist.plan_address} within "
                                  f"{dist.connect_timeout:.0f} s; is process 0 running?") from None
             time.sleep(0.5)
-
-
-def follow(runner, dist: DistributedConfig) -> int:
-    """A follower's life: run every plan the leader sends, in order. Returns the exit code: 0 when
-    the leader said it was done, 1 when it went away or a step failed, 2 when the flags differ."""
-    conn = connect_to_leader(dist)
-    log.info("process %d following the leader at %s", dist.process_id, dist.plan_address)
-    steps = 0
-    try:
-        leader_key = _receive(conn)
-        if leader_key != runner.layout_key():
-            log.error("this process was started with other engine settings than the leader; give every "
-                      "process the same flags.\n  leader: %s\n  here:   %s", leader_key, runner.layout_key())
-            return 2
-        while True:
-            plan = _receive(conn)
-            if plan is None:
-                log.info("the leader finished after %d steps", steps)
-                return 0
-            runner.follow_plan(plan)
-            steps += 1
-    except (ConnectionError, OSError) as error:
-        log.error("lost the leader after %d steps: %s", steps, error)
-        return 1
-    except Exception as error:  # noqa: BLE001 - a failed step: the processes are out of step for good
-        log.error("step %d failed on this process: %s", steps, error)
-        return 1
-    finally:
-        conn.close()
-
-
-def follow_leader(config, dist: DistributedConfig) -> int:
-    """A follower process: build the same runner as the leader, then run its steps until it is done."""
-    from orca_jax.engine.builder import BuildOptions, build_runner
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    runner, _, _ = build_runner(config, BuildOptions(show_progress=False), distributed=dist)
-    runner.compile_programs()  # its own stages' programs; the leader's warm-up step then arrives as a plan
-    return follow(runner, dist)
 
 
 def run_process(dist: DistributedConfig, run) -> int:

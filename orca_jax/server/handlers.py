@@ -21,11 +21,24 @@ from orca_jax.engine.engine import RequestRejected
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams, StructuredOutputsParams
 from orca_jax.server import responses, tool_calls
-from orca_jax.server.app import STATE, RequestRecord, ServerState, read_json, request_record
+from orca_jax.server.state import STATE, RequestRecord, ServerState, request_record
 from orca_jax.server.protocol import (APIError, invalid, parse_chat, parse_completion, parse_detokenize,
                                       parse_tokenize)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def read_json(request: web.Request) -> object:
+    """The body as JSON: 413 past the size limit, 400 for non-UTF-8 or malformed JSON."""
+    raw = await request.read()  # aiohttp raises 413 past client_max_size
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise invalid(f"the request body is not valid UTF-8 (byte {error.start}); send JSON in UTF-8") from error
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise invalid(f"the request body is not valid JSON: {error}") from error
 
 
 # ---- plain endpoints ---------------------------------------------------------------------------
@@ -56,7 +69,7 @@ async def version(request: web.Request) -> web.Response:
 def _model_card(state: ServerState) -> dict:
     card = {"id": state.settings.model_name, "object": "model", "created": 0, "owned_by": "orca_jax"}
     if state.engine is not None:
-        card["max_model_len"] = state.engine.engine.max_model_len
+        card["max_model_len"] = state.engine.max_model_len
     return card
 
 
@@ -127,7 +140,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _, ids = _tokenize(engine, _render_chat(state, engine, req.messages, tools=req.tools,
                                             kwargs=req.chat_template_kwargs))
     if not req.max_tokens_given:  # OpenAI's default: whatever room the context leaves
-        room = engine.engine.max_request_tokens - len(ids)
+        room = engine.max_request_tokens - len(ids)
         params = params.clone(max_tokens=max(room, 1, params.min_tokens))
     await _validate(engine, ids, params)
     record = request_record()
@@ -172,7 +185,7 @@ async def tokenize(request: web.Request) -> web.Response:
         text = req.prompt
     _, ids = _tokenize(engine, text, add_bos=req.add_special_tokens)
     request_record().prompt_tokens = len(ids)
-    return web.json_response({"count": len(ids), "max_model_len": engine.engine.max_model_len, "tokens": ids})
+    return web.json_response({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -180,7 +193,7 @@ async def detokenize(request: web.Request) -> web.Response:
     req = parse_detokenize(await read_json(request))
     engine = state.require_engine()
     _check_model(state, req.model)
-    tokenizer = engine.engine.tokenizer
+    tokenizer = engine.tokenizer
     if tokenizer is None:
         raise invalid("this model has no tokenizer, so token ids cannot be turned into text")
     vocab = tokenizer.vocab_size
@@ -204,7 +217,7 @@ def _tool_settings(state: ServerState, engine: AsyncLLMEngine, req) -> tuple[Sam
                           "tool_choice")
         strict = req.disable_additional_properties
         if strict is None:
-            strict = engine.engine.config.structured_outputs.disable_additional_properties
+            strict = engine.structured_outputs.disable_additional_properties
         grammar = tool_calls.forced_grammar(req.tools, req.tool_choice, req.parallel_tool_calls, strict)
         params = params.clone(structured_outputs=StructuredOutputsParams(grammar=grammar))
     return params, state.settings.tool_call_parser
@@ -212,7 +225,7 @@ def _tool_settings(state: ServerState, engine: AsyncLLMEngine, req) -> tuple[Sam
 
 def _render_chat(state: ServerState, engine: AsyncLLMEngine, messages: list[dict], add_generation_prompt: bool = True,
                  tools: list[dict] | None = None, kwargs: dict | None = None) -> str:
-    tokenizer = engine.engine.tokenizer
+    tokenizer = engine.tokenizer
     if tokenizer is None:
         raise invalid("this model has no tokenizer, so no chat template; use /v1/completions with token ids")
     template = state.settings.chat_template or tokenizer.effective_chat_template
@@ -230,7 +243,7 @@ def _tokenize(engine: AsyncLLMEngine, prompt: str | list[int],
     """(text, ids); `add_bos` None follows the tokenizer's own rule, as generation does."""
     if isinstance(prompt, list):
         return None, prompt
-    tokenizer = engine.engine.tokenizer
+    tokenizer = engine.tokenizer
     if tokenizer is None:
         raise invalid("this model has no tokenizer; send the prompt as a list of token ids", "prompt")
     try:
@@ -240,7 +253,7 @@ def _tokenize(engine: AsyncLLMEngine, prompt: str | list[int],
 
 
 def _decode(engine: AsyncLLMEngine, ids: list[int]) -> str:
-    tokenizer = engine.engine.tokenizer
+    tokenizer = engine.tokenizer
     return "" if tokenizer is None else tokenizer.decode(ids)
 
 
@@ -249,9 +262,9 @@ async def _validate(engine: AsyncLLMEngine, ids: list[int], params: SamplingPara
     (milliseconds, more for the first one), so a bad schema is refused before anything streams."""
     try:
         if params.structured_outputs is not None:
-            await asyncio.to_thread(engine.engine.validate, ids, params)
+            await asyncio.to_thread(engine.validate, ids, params)
         else:
-            engine.engine.validate(ids, params)
+            engine.validate(ids, params)
     except RequestRejected as error:  # the message names the limit
         raise APIError(400, str(error), code=error.code) from error
 

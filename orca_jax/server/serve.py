@@ -23,7 +23,8 @@ from typing import Callable
 from aiohttp import web
 
 from orca_jax.engine.async_engine import AsyncLLMEngine
-from orca_jax.server.app import ServerSettings, ServerState, create_app
+from orca_jax.server.app import create_app
+from orca_jax.server.state import ServerSettings, ServerState
 
 log = logging.getLogger("orca_jax.server")
 
@@ -58,7 +59,7 @@ async def serve(settings: ServerSettings, engine_factory: Callable[[], AsyncLLME
         exit_code = 1
     elif state.engine is not None:
         log.info("ready: serving %s", settings.model_name)
-        state.metrics.set_engine_limits(max_num_seqs=state.engine.engine.config.scheduler.max_num_seqs)
+        state.metrics.set_engine_limits(max_num_seqs=state.engine.max_num_seqs)
         state.engine.on_lost = lambda error: loop.call_soon_threadsafe(stop.set)
         if state.engine.lost is not None:  # lost before the callback was in place
             stop.set()

@@ -28,7 +28,7 @@ from orca_jax.sampling_params import SamplingParams
 
 from ..engine.conftest import make_engine as make_tiny_engine
 from ..conftest import warm_tiny_runner
-from ..engine.mock_runner import MockRunner
+from ..engine.mock_runner import MockRunner, record_schedules
 
 VOCAB = 1000
 MODEL = dataclasses.replace(load_model_preset("tiny"), vocab_size=VOCAB, eos_token_id=None, max_position=4096)
@@ -47,15 +47,17 @@ def engine_plans(lengths, policy, max_num_seqs, max_num_batched_tokens, page_siz
     config = EngineConfig(model="mock", cache=CacheConfig(page_size=page_size),
                           scheduler=SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs,
                                                     max_num_batched_tokens=max_num_batched_tokens))
-    runner = runner or MockRunner(num_pages, page_size, VOCAB)
+    runner = runner or MockRunner(num_pages, page_size, VOCAB, max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens)
     engine = LLMEngine(config, MODEL, runner, tokenizer=None)
+    schedules = record_schedules(engine)
     rng = random.Random(1)
     for prompt_len, max_tokens in lengths:
         engine.add_request([rng.randrange(VOCAB) for _ in range(prompt_len)],
                            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    return engine, [(p.num_batched_tokens, len(p.scheduled), p.num_padding_seqs) for p in runner.plans]
+    return engine, [(p.num_batched_tokens, len(p.scheduled), p.num_padding_seqs) for p in schedules]
 
 
 def sim_plans(result):

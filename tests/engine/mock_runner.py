@@ -1,37 +1,40 @@
 """A runner without a model, for scheduler and engine tests: hand-computable outputs.
 
 The "model" continues every sequence with (last token + 1) % vocab, so the right output of any
-request is known in advance, and it checks that every step it is given is consistent: each planned
-chunk starts where the request's computed tokens end, its KV pages cover the tokens, and no request
-is in two dispatched steps at once (with `max_in_flight` > 1 it stands in for a pipelined runner).
+request is known in advance. Like the real runner it sees only StepPlans, and it checks that every
+one is consistent: each row's tokens are consecutive positions ending at its KV length, each new
+K/V goes to a slot of its row's own pages, no two rows write one slot, and no request is in two
+dispatched steps at once (with `max_in_flight` > 1 it stands in for a pipelined runner).
+
+Scheduling tests inspect the scheduler's decisions with `record_schedules`.
 """
 
-from orca_jax.engine.step_plan import SampledToken
+import numpy as np
+
+from orca_jax.engine.step_plan import Buckets, KVLayout, SampledToken
 
 
 class MockRunner:
-    def __init__(self, num_pages: int, page_size: int, vocab_size: int = 1000, max_in_flight: int = 1):
-        self.num_pages = num_pages
-        self.page_size = page_size
+    def __init__(self, num_pages: int, page_size: int, vocab_size: int = 1000, max_in_flight: int = 1, *,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int = 4096):
+        self.buckets = Buckets.for_limits(max_num_batched_tokens, max_num_seqs)
+        self.kv_layout = KVLayout(num_pages, page_size, -(-max_model_len // page_size), self.buckets.seqs[-1])
         self.vocab_size = vocab_size
         self.max_in_flight = max_in_flight
         self.plans = []
         self.pending: list = []  # plans dispatched and not yet collected
 
     def dispatch(self, plan):
-        held = {p.request.request_id for other in self.pending for p in other.scheduled}
-        assert not held & {p.request.request_id for p in plan.scheduled}, "a request in two steps in flight"
+        held = {request_id for other in self.pending for request_id in other.request_ids}
+        assert not held & set(plan.request_ids), "a request in two steps in flight"
         assert len(self.pending) < self.max_in_flight
+        self._check(plan)
         self.plans.append(plan)
         self.pending.append(plan)
         sampled = {}
-        for planned in plan.scheduled:
-            request = planned.request
-            assert planned.start == request.num_computed_tokens
-            assert len(request.block_table) * self.page_size >= planned.start + planned.num_new_tokens
-            if planned.samples:
-                token = (request.all_token_ids[-1] + 1) % self.vocab_size
-                sampled[request.request_id] = SampledToken(token=token, logprob=0.0, top=None)
+        for row, _ in plan.sample_rows:
+            token = (int(plan.token_ids[plan.logits_index[row]]) + 1) % self.vocab_size
+            sampled[plan.request_ids[row]] = SampledToken(token=token, logprob=0.0, top=None)
         return plan, sampled
 
     def collect(self, pending):
@@ -39,3 +42,32 @@ class MockRunner:
         assert self.pending[0] is plan, "steps are collected oldest first"
         self.pending.pop(0)
         return sampled
+
+    def _check(self, plan) -> None:
+        page_size = self.kv_layout.page_size
+        real = slice(0, plan.num_real_tokens)
+        slots = plan.slot_mapping[real]
+        assert len(set(slots.tolist())) == len(slots), "two tokens write one KV slot"
+        for row in range(len(plan.request_ids)):
+            positions = plan.positions[real][plan.segment_ids[real] == row]
+            assert len(positions) and (np.diff(positions) == 1).all()
+            assert positions[-1] == plan.kv_lens[row] - 1, "a row's tokens end where its KV ends"
+            pages = plan.block_tables[row, positions // page_size]
+            row_slots = plan.slot_mapping[real][plan.segment_ids[real] == row]
+            assert (row_slots == pages * page_size + positions % page_size).all(), "K/V outside the row's pages"
+
+
+def record_schedules(engine) -> list:
+    """Every non-empty SchedulerOutput the engine's scheduler returns from now on, in order: the
+    scheduling decisions behind the plans the runner sees."""
+    schedules = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        if not out.empty:
+            schedules.append(out)
+        return out
+
+    engine.scheduler.schedule = recorded
+    return schedules

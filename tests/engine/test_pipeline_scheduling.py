@@ -20,7 +20,7 @@ def test_each_step_takes_its_share_of_the_running_requests():
     which take turns; neither holds a request the other holds (the mock asserts that)."""
     engine = pipelined_engine("orca", max_num_seqs=4)
     run(engine, [([1, 2, 3], 6) for _ in range(4)])
-    plans = engine.runner.plans
+    plans = engine.schedules
     assert max(len(p.scheduled) for p in plans) == 2
     ids = [frozenset(s.request.request_id for s in p.scheduled) for p in plans]
     assert ids[0] != ids[1] and ids[0] == ids[2] and ids[1] == ids[3]  # two groups alternate

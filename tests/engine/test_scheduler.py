@@ -8,7 +8,7 @@ from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig, load_mod
 from orca_jax.engine.engine import LLMEngine, RequestRejected
 from orca_jax.sampling_params import SamplingParams
 
-from .mock_runner import MockRunner
+from .mock_runner import MockRunner, record_schedules
 
 VOCAB = 1000
 POLICIES = ["static", "orca", "paged", "chunked"]
@@ -23,7 +23,11 @@ def make_engine(policy, *, num_pages=64, page_size=4, max_num_seqs=4, max_num_ba
         cache=CacheConfig(page_size=page_size, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
     )
-    return LLMEngine(config, MODEL, MockRunner(num_pages, page_size, VOCAB, max_in_flight=depth), tokenizer=None)
+    runner = MockRunner(num_pages, page_size, VOCAB, max_in_flight=depth, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens)
+    engine = LLMEngine(config, MODEL, runner, tokenizer=None)
+    engine.schedules = record_schedules(engine)  # what the tests below inspect
+    return engine
 
 
 def expected_output(prompt, max_tokens):
@@ -69,7 +73,7 @@ def test_static_admits_only_into_an_empty_batch_and_releases_together():
     engine = make_engine("static", max_num_seqs=3)
     workload = [([1, 2, 3], 2), ([4, 5], 6), ([6], 3), ([7, 8], 1)]
     outputs, steps = run(engine, workload)
-    plans = engine.runner.plans
+    plans = engine.schedules
     # First batch: the first three requests; the fourth waits until all three are done.
     first_batch = {p.request.request_id for p in plans[0].scheduled}
     assert first_batch == {"0", "1", "2"}
@@ -89,7 +93,7 @@ def test_static_prefills_a_large_batch_over_several_steps_before_decoding():
     engine = make_engine("static", max_num_seqs=4, max_num_batched_tokens=16)
     workload = [([i + 1] * 10, 3) for i in range(4)]  # 40 prompt tokens, 16 per step
     outputs, _ = run(engine, workload)
-    plans = engine.runner.plans
+    plans = engine.schedules
     # One whole prompt per step fits the budget; nobody decodes until the whole batch is prefilled.
     assert [[p.num_new_tokens for p in plan.scheduled] for plan in plans[:4]] == [[10], [10], [10], [10]]
     decode_steps = plans[4:]
@@ -116,7 +120,7 @@ def test_orca_never_preempts_nor_overcommits_its_reservation():
 def test_orca_admits_every_iteration_fcfs():
     engine = make_engine("orca", max_num_seqs=2)
     run(engine, [([1], 1), ([2], 5), ([3], 1)])
-    plans = engine.runner.plans
+    plans = engine.schedules
     # Request 0 finishes after step 1, so request 2 joins at step 2 while request 1 is still decoding.
     assert [p.request.request_id for p in plans[0].scheduled] == ["0", "1"]
     assert [p.request.request_id for p in plans[1].scheduled] == ["1", "2"]
@@ -126,12 +130,12 @@ def test_chunked_puts_decodes_first_and_respects_the_token_budget():
     engine = make_engine("chunked", max_num_seqs=4, max_num_batched_tokens=16)
     workload = [([1] * 3, 8), ([2] * 40, 3), ([3] * 25, 4), ([4] * 2, 6)]
     outputs, _ = run(engine, workload)
-    for plan in engine.runner.plans:
+    for plan in engine.schedules:
         assert plan.num_batched_tokens <= 16
         kinds = [p.num_new_tokens == 1 and p.start > 0 for p in plan.scheduled]
         # Decodes come before any prefill chunk within the step.
         assert kinds == sorted(kinds, reverse=True)
-    chunks = [p.num_new_tokens for plan in engine.runner.plans for p in plan.scheduled if p.request.request_id == "1"]
+    chunks = [p.num_new_tokens for plan in engine.schedules for p in plan.scheduled if p.request.request_id == "1"]
     assert chunks[0] < 40 and sum(c for c in chunks if c > 1) >= 40  # the long prompt was split
     assert all(o.outputs[0].token_ids == expected_output(p, m) for (p, m), o in zip(workload, outputs))
 
@@ -141,7 +145,7 @@ def test_paged_recomputes_a_long_preempted_request_in_budget_sized_pieces():
     workload = [([1] * 10, 30), ([2] * 10, 30)]  # 40 tokens each: a recompute exceeds the budget of 16
     outputs, _ = run(engine, workload)
     assert engine.scheduler.num_preemptions > 0
-    assert all(plan.num_batched_tokens <= 16 for plan in engine.runner.plans)
+    assert all(plan.num_batched_tokens <= 16 for plan in engine.schedules)
     for (prompt, max_tokens), out in zip(workload, outputs):
         assert out.outputs[0].token_ids == expected_output(prompt, max_tokens)
 
@@ -176,7 +180,7 @@ def test_a_preempted_request_is_scheduled_before_those_already_waiting():
     engine = make_engine("paged", num_pages=6, page_size=4, max_num_seqs=2)
     workload = [([1] * 8, 12), ([2] * 3, 12), ([3] * 3, 2), ([4] * 3, 2)]  # 2 and 3 wait: max_num_seqs
     outputs, _ = run(engine, workload)
-    plans = engine.runner.plans
+    plans = engine.schedules
     at = next(i for i, plan in enumerate(plans) if plan.preempted)
     assert [r.request_id for r in plans[at].preempted] == ["1"]
     before = {s.request.request_id for plan in plans[:at] for s in plan.scheduled}
@@ -194,7 +198,7 @@ def test_prefix_caching_hits_on_a_shared_prefix(policy):
     outputs, _ = run(engine, workload)
     cached = [o.metrics.num_cached_prompt_tokens for o in outputs]
     assert cached == [0, 24, 24, 24]
-    computed = [p.num_new_tokens for plan in engine.runner.plans for p in plan.scheduled if p.start == 0 or p.start == 24]
+    computed = [p.num_new_tokens for plan in engine.schedules for p in plan.scheduled if p.start == 0 or p.start == 24]
     assert computed[0] == 25 and computed.count(1) >= 3  # later prompts computed only their last token
     for (prompt, max_tokens), out in zip(workload, outputs):
         assert out.outputs[0].token_ids == expected_output(prompt, max_tokens)

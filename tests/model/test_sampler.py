@@ -143,3 +143,12 @@ def test_logit_bias_bans_and_forces_per_row():
     out = sample(logits, metadata(2, bias_ids=ids, bias_values=values, use_logit_bias=np.bool_(True),
                                   token_bitmask=allowed, use_bitmask=np.bool_(True)))
     assert out.tokens.tolist() == [3, 1]
+
+
+def test_the_step_plans_sampling_arrays_are_sampling_metadatas_numpy_twin():
+    """The runner builds SamplingMetadata from a plan's SamplingArrays field for field."""
+    import dataclasses
+
+    from orca_jax.engine.step_plan import SamplingArrays
+
+    assert [f.name for f in dataclasses.fields(SamplingArrays)] == [f.name for f in dataclasses.fields(SamplingMetadata)]

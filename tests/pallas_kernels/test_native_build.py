@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from orca_jax.config import ConfigError
-from orca_jax.model.paged_attention import _warn_fallback, resolve_attention_impl
+from orca_jax.model.paged_attention import _warn_fallback, native_cache_dir, resolve_attention_impl
 from pallas_kernels import native
 
 from ..conftest import require_native
@@ -17,19 +17,19 @@ from ..conftest import require_native
 def fresh_native(monkeypatch, tmp_path):
     """An empty cache directory and no memory of earlier attempts; the real state comes back after."""
     monkeypatch.setenv("ORCA_JAX_COMPILATION_CACHE", str(tmp_path / "cache"))
-    native.unavailable_reason.cache_clear()
+    native.forget_attempt()
     _warn_fallback.cache_clear()
     yield tmp_path
     monkeypatch.undo()
-    native.unavailable_reason.cache_clear()
+    native.forget_attempt()
     _warn_fallback.cache_clear()
 
 
 def test_library_lives_under_the_compilation_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("ORCA_JAX_COMPILATION_CACHE", str(tmp_path))
-    path = native.library_path("g++ (test) 1.0")
+    path = native.library_path("g++ (test) 1.0", native_cache_dir())
     assert path.parent == tmp_path / "native"
-    assert native.library_path("g++ (test) 2.0") != path  # another compiler: another library
+    assert native.library_path("g++ (test) 2.0", native_cache_dir()) != path  # another compiler: another library
 
 
 def test_no_compiler_falls_back_to_xla_with_one_warning(fresh_native, monkeypatch, caplog):
@@ -50,15 +50,15 @@ def test_failed_build_is_reported_and_leaves_no_library(fresh_native, monkeypatc
                         "echo 'internal compiler error' >&2; exit 1\n")
     compiler.chmod(0o755)
     monkeypatch.setenv("CXX", str(compiler))
-    reason = native.unavailable_reason()
+    reason = native.unavailable_reason(native_cache_dir())
     assert "failed" in reason and "internal compiler error" in reason
     assert not list((fresh_native / "cache" / "native").glob("*.so"))  # no half-written library
     with pytest.raises(native.NativeUnavailable):
-        native.build()
+        native.build(native_cache_dir())
 
 
 def test_auto_picks_native_on_cpu_when_it_builds():
     require_native()
     assert resolve_attention_impl("auto", "cpu") == "native"
     assert resolve_attention_impl("auto", "gpu") == "pallas"
-    assert native.build() == native.build()  # built once, then found
+    assert native.build(native_cache_dir()) == native.build(native_cache_dir())  # built once, then found

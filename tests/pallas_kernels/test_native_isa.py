@@ -60,7 +60,10 @@ def test_the_environment_variable_forces_a_variant_for_the_whole_process():
     import subprocess
     import sys
 
-    script = "from pallas_kernels import native; print(native.isa())"
+    script = ("from orca_jax.model.paged_attention import native_cache_dir\n"
+              "from pallas_kernels import native\n"
+              "assert native.unavailable_reason(native_cache_dir()) is None\n"
+              "print(native.isa())")
     env = {**os.environ, native.ISA_ENV: "base"}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

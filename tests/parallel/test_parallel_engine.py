@@ -5,7 +5,7 @@ depth of steps in flight; impossible layouts are refused with the fix."""
 import pytest
 
 from orca_jax.config import CacheConfig, ConfigError, EngineConfig, ParallelConfig, SchedulerConfig
-from orca_jax.engine.builder import BuildOptions, build_engine
+from orca_jax.runner.builder import BuildOptions, build_engine
 from orca_jax.sampling_params import SamplingParams
 
 from ..conftest import warm_smollm2_runner, warm_tiny_runner

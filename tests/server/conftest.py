@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from orca_jax.engine.async_engine import AsyncLLMEngine
-from orca_jax.server.app import ServerSettings
+from orca_jax.server.state import ServerSettings
 from orca_jax.server.serve import serve
 
 from ..engine.conftest import SMOLLM2_LIMITS, TINY_LIMITS, make_engine

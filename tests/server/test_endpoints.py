@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from orca_jax.engine.async_engine import AsyncLLMEngine
-from orca_jax.server.app import ServerSettings
+from orca_jax.server.state import ServerSettings
 
 from ..engine.conftest import TINY_LIMITS, make_engine
 from .conftest import ServerThread, http, sse_events

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from orca_jax.checkpoint.train_tiny import counting_sequence
-from orca_jax.server.app import ServerSettings
+from orca_jax.server.state import ServerSettings
 
 from .conftest import ServerThread, http, sse_events, tiny_engine_factory
 
@@ -189,7 +189,7 @@ def test_a_failing_step_spares_the_requests_it_did_not_schedule(make_server, mon
     calls = []
 
     def dispatch(plan):
-        calls.append(len(plan.scheduled))
+        calls.append(len(plan.request_ids))  # the rows it runs: one per scheduled request
         time.sleep(0.02)  # slow enough that all 12 requests have arrived before step 10
         if len(calls) == 10:
             raise RuntimeError("injected device fault")

@@ -5,7 +5,7 @@ import openai
 import pytest
 
 from orca_jax.engine.async_engine import AsyncLLMEngine
-from orca_jax.server.app import ServerSettings
+from orca_jax.server.state import ServerSettings
 
 from ..engine.conftest import SMOLLM2_LIMITS, make_engine
 from .conftest import ServerThread

@@ -11,8 +11,8 @@ import pytest
 
 from orca_jax import LLM, SamplingParams
 from orca_jax.config import REPO_ROOT
-from orca_jax.engine import compile_cache
-from orca_jax.engine.compile_cache import ExecutableStore
+from orca_jax.runner import compile_cache
+from orca_jax.runner.compile_cache import ExecutableStore
 
 DEVICE = jax.devices()[0]
 ARGS = (jax.ShapeDtypeStruct((4,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(DEVICE)),)
@@ -51,7 +51,7 @@ import sys, jax, jax.numpy as jnp
 from pathlib import Path
 jax.config.update("jax_compilation_cache_dir", sys.argv[1])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-from orca_jax.engine.compile_cache import ExecutableStore
+from orca_jax.runner.compile_cache import ExecutableStore
 jax.jit(lambda x: x + 1)(1.0)  # any compile first: JAX then takes its cache as on for this process
 args = (jax.ShapeDtypeStruct((4,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),)
 store = ExecutableStore(Path(sys.argv[2]))
@@ -101,7 +101,7 @@ def test_a_damaged_file_is_ignored_with_a_warning_and_never_executed(tmp_path, c
         data[len(compile_cache.MAGIC):header_end] = b'{"name": "something else"}'
     path.write_bytes(bytes(data))
     fresh = Program(7.0)  # a different program: running the damaged file would give 2x+1
-    with caplog.at_level(logging.INFO, logger="orca_jax.engine.compile_cache"):
+    with caplog.at_level(logging.INFO, logger="orca_jax.runner.compile_cache"):
         np.testing.assert_array_equal(run(fresh.get(ExecutableStore(tmp_path))), [1, 8, 15, 22])
     assert fresh.compiles == 1
     assert str(path) in caplog.text

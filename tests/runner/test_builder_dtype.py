@@ -8,7 +8,7 @@ import pytest
 
 from orca_jax.checkpoint.store import save_checkpoint
 from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
-from orca_jax.engine.builder import BuildOptions, build_runner, run_dtype
+from orca_jax.runner.builder import BuildOptions, build_runner, run_dtype
 
 from ..checkpoint.test_store import params_of
 

@@ -44,10 +44,8 @@ from jaxtyping import Array, Int
 from tqdm.auto import tqdm
 
 from orca_jax.config import ConfigError, ParallelConfig, kv_page_dtype
-from orca_jax.engine.compile_cache import ExecutableStore, enable_compilation_cache
-from orca_jax.engine.scheduler import SchedulerOutput
-from orca_jax.engine.step_plan import (Buckets, KVLayout, RunnerLost, SampledToken, StepPlan, build_step_plan,
-                                       padding_plan, sampled_tokens)
+from orca_jax.runner.compile_cache import ExecutableStore, enable_compilation_cache
+from orca_jax.engine.step_plan import Buckets, KVLayout, RunnerLost, SampledToken, StepPlan, padding_plan, sampled_tokens
 from orca_jax.model.attention import AttentionMetadata
 from orca_jax.model.decoder import Decoder, DecoderStage
 from orca_jax.model.paged_attention import resolve_attention_impl
@@ -64,19 +62,19 @@ log = logging.getLogger(__name__)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
-    """A StepPlan's arrays on one stage's devices (see step_plan.StepPlan for their meaning)."""
+    """A StepPlan's token arrays as the layers' programs take them: one pytree, placed on a stage's
+    devices in one `device_put` (see step_plan.StepPlan for the fields' meaning)."""
 
     token_ids: Int[Array, " T"]
-    positions: Int[Array, " T"]
-    segment_ids: Int[Array, " T"]
-    slot_mapping: Int[Array, " T"]
-    block_tables: Int[Array, "S_max max_pages"]
-    kv_lens: Int[Array, " S_max"]
+    attention: AttentionMetadata  # positions, segment ids, slots; block tables and KV lengths [S_max]
     logits_index: Int[Array, " S_max"]
 
     @classmethod
     def of(cls, plan: StepPlan) -> "StepInputs":
-        return cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(cls)})
+        attention = AttentionMetadata(positions=plan.positions, segment_ids=plan.segment_ids,
+                                      slot_mapping=plan.slot_mapping, block_tables=plan.block_tables,
+                                      kv_lens=plan.kv_lens)
+        return cls(token_ids=plan.token_ids, attention=attention, logits_index=plan.logits_index)
 
 
 @dataclasses.dataclass
@@ -84,7 +82,6 @@ class RunnerStats:
     """Cumulative figures since start (or the last `reset`), for benchmarks and metrics."""
 
     steps: int = 0
-    prepare_s: float = 0.0  # host: building the padded arrays
     device_s: float = 0.0  # dispatch + waiting for the result (device compute that overlaps host work is free)
     real_tokens: int = 0
     padded_tokens: int = 0  # tokens computed including bucket padding
@@ -201,10 +198,7 @@ class ModelRunner:
 
         def run_layers(params, kv_caches, x, inputs: StepInputs):
             stage = nnx.merge(graphdef, params)
-            meta = AttentionMetadata(positions=inputs.positions, segment_ids=inputs.segment_ids,
-                                     slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables,
-                                     kv_lens=inputs.kv_lens)
-            return stage(inputs.token_ids if first else x, meta, kv_caches, inputs.logits_index, attention)
+            return stage(inputs.token_ids if first else x, inputs.attention, kv_caches, inputs.logits_index, attention)
 
         def run_head(params, last_tokens, sampling: SamplingMetadata):
             num_seqs = sampling.temperature.shape[0]  # the sequence bucket: only its rows get logits
@@ -303,21 +297,18 @@ class ModelRunner:
         return self._compilations_after_warmup
 
     # ---- one step ------------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+    def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
         """Runs one step and waits for it (dispatch + collect)."""
-        return self.collect(self.dispatch(out))
+        return self.collect(self.dispatch(plan))
 
-    def dispatch(self, out: SchedulerOutput) -> Pending:
-        """Builds the step's plan and starts it on the devices; returns without waiting."""
+    def dispatch(self, plan: StepPlan) -> Pending:
+        """Starts the step on the devices; returns without waiting."""
         start = time.perf_counter()
-        plan = build_step_plan(out, self.buckets, self.kv_layout, self.config.vocab_size)
-        dispatched = time.perf_counter()
-        self.stats.prepare_s += dispatched - start
         self.stats.steps += 1
         self.stats.padded_tokens += len(plan.token_ids)
         self.stats.real_tokens += plan.num_real_tokens
         result = self.run_plan(plan)
-        self.stats.device_s += time.perf_counter() - dispatched
+        self.stats.device_s += time.perf_counter() - start
         return Pending(plan, result)
 
     def collect(self, pending: Pending) -> dict[str, SampledToken]:
@@ -398,7 +389,7 @@ class ModelRunner:
             jax.block_until_ready(self._follower_outputs.popleft())
 
     def _sampling_metadata(self, plan: StepPlan, stage: Stage) -> SamplingMetadata:
-        fields = dict(plan.sampling)
+        fields = vars(plan.sampling).copy()  # SamplingArrays' fields are SamplingMetadata's
         if fields["output_counts"] is None:
             fields["output_counts"], fields["seen_tokens"] = self._zero_penalty_arrays(plan.bucket[1], stage)
         return jax.device_put(SamplingMetadata(**fields), stage.replicated)

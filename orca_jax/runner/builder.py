@@ -17,7 +17,7 @@ from orca_jax.checkpoint.convert import ensure_pulled
 from orca_jax.checkpoint.store import LoadedModel, load_model, read_model_config
 from orca_jax.config import ConfigError, EngineConfig
 from orca_jax.engine.engine import LLMEngine
-from orca_jax.engine.runner import ModelRunner
+from orca_jax.runner.model_runner import ModelRunner
 from orca_jax.engine.step_plan import Buckets
 from orca_jax.parallel.memory_plan import plan_memory
 from orca_jax.parallel.multihost import DistributedConfig

@@ -1,0 +1,138 @@
+"""Output assembly (vLLM's output processor): sampled tokens -> stop decisions -> RequestOutputs.
+
+The engine gives every sampled token to `record` (logprobs, cumulative logprob, grammar, incremental
+text), asks `stop_status` whether the request is done, and after the step turns the groups it
+touched into RequestOutputs with `outputs`. A group is a user's request: `n` samples, each its own
+engine `Request`. Pure Python, no jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from orca_jax.engine.detokenizer import IncrementalDetokenizer
+from orca_jax.engine.request import Request, RequestStatus
+from orca_jax.engine.step_plan import SampledToken
+from orca_jax.outputs import CompletionOutput, Logprob, RequestOutput
+from orca_jax.tokenizer import Tokenizer
+
+
+@dataclass
+class Sample:
+    """Host-side state of one of a request's n samples."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float = 0.0
+    released: bool = False
+
+
+@dataclass
+class RequestGroup:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[Sample]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.released for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.groups: dict[str, RequestGroup] = {}
+        self._samples: dict[str, tuple[RequestGroup, Sample]] = {}  # child request id -> its group and state
+
+    def add(self, group: RequestGroup) -> None:
+        self.groups[group.request_id] = group
+        for sample in group.samples:
+            self._samples[sample.request.request_id] = (group, sample)
+
+    def sample(self, request_id: str) -> tuple[RequestGroup, Sample] | None:
+        """The group and sample of a child request id; None once its group is forgotten."""
+        return self._samples.get(request_id)
+
+    def release(self, requests: list[Request], touched: dict[str, RequestGroup]) -> None:
+        """Marks finished requests' samples released (their final output goes out with `touched`)."""
+        for request in requests:
+            if request.request_id not in self._samples:
+                continue  # aborted earlier; its static batch is only now released
+            group, sample = self._samples[request.request_id]
+            sample.released = True
+            touched[group.request_id] = group
+
+    def forget(self, group: RequestGroup) -> None:
+        del self.groups[group.request_id]
+        for sample in group.samples:
+            del self._samples[sample.request.request_id]
+
+    # ---- one sampled token -------------------------------------------------------------------
+    def record(self, sample: Sample, sampled: SampledToken) -> None:
+        """Takes in the request's newest token (already appended to its output by the scheduler)."""
+        request = sample.request
+        token = request.output_token_ids[-1]
+        if request.grammar is not None:
+            request.grammar.accept(token)
+        sample.cumulative_logprob += sampled.logprob
+        if sample.logprobs is not None:
+            ids, values = sampled.top
+            entry = {i: Logprob(v, rank + 1, self._token_text(i)) for rank, (i, v) in enumerate(zip(ids, values))}
+            if sampled.token not in entry:
+                entry[sampled.token] = Logprob(sampled.logprob, None, self._token_text(sampled.token))
+            sample.logprobs.append(entry)
+        if sample.detokenizer is not None:
+            sample.detokenizer.add(token)
+
+    def _token_text(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token])
+
+    def stop_status(self, sample: Sample) -> RequestStatus | None:
+        """Whether the newest token ends the request, and how (None: it goes on)."""
+        request, params = sample.request, sample.request.params
+        token = request.output_token_ids[-1]
+        num_out = len(request.output_token_ids)
+        if num_out >= params.min_tokens:
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if sample.detokenizer is not None and sample.detokenizer.stopped_by is not None:
+                request.stop_reason = sample.detokenizer.stopped_by
+                return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.finished:  # complete: only EOS could follow
+            return RequestStatus.FINISHED_STOPPED
+        if num_out >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- after the step ----------------------------------------------------------------------
+    def outputs(self, touched: dict[str, RequestGroup]) -> list[RequestOutput]:
+        """An output for every touched group; finished groups are forgotten."""
+        outputs = [self._output(group) for group in touched.values()]
+        for group in touched.values():
+            if group.finished:
+                self.forget(group)
+        return outputs
+
+    def _output(self, group: RequestGroup) -> RequestOutput:
+        completions, metrics = [], []
+        for i, sample in enumerate(group.samples):
+            r = sample.request
+            completions.append(CompletionOutput(
+                index=i,
+                text=sample.detokenizer.text if sample.detokenizer is not None else "",
+                token_ids=list(r.output_token_ids),
+                cumulative_logprob=sample.cumulative_logprob,
+                logprobs=None if sample.logprobs is None else list(sample.logprobs),
+                finish_reason=r.status.value if r.finished else None,
+                stop_reason=r.stop_reason,
+            ))
+            metrics.append(dataclasses.replace(r.metrics))  # a snapshot: the engine keeps updating its own
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
+                             group.finished, metrics[0], metrics)
