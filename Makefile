@@ -17,7 +17,7 @@ $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
-	$(BIN)/python -m pallas_kernels.native "$$($(BIN)/python -c 'from orca_jax.model.paged_attention import native_cache_dir; print(native_cache_dir())')"  # the native CPU attention kernel (g++); says so if it cannot
+	$(BIN)/python -m orca_jax.native  # the native CPU attention kernel (g++); says so if it cannot
 	touch $@
 
 pull: $(CHECKPOINT)

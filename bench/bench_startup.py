@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("serve_flags", nargs="*", help="flags for `orca-jax serve` (after --)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="orca-jax-cache-") as cache:
-        subprocess.run([sys.executable, "-m", "pallas_kernels.native"], cwd=ROOT, check=True,
+        subprocess.run([sys.executable, "-m", "orca_jax.native", "--require"], cwd=ROOT, check=True,
                        env=dict(os.environ, ORCA_JAX_COMPILATION_CACHE=cache))
         fresh = time_to_health(cache, args.port, args.serve_flags, args.limit)
         print(f"first start (no caches): /health 200 after {fresh:.1f} s", flush=True)

@@ -20,10 +20,11 @@ thread pool.
 
 Build: `unavailable_reason(cache_dir)` has g++ compile the source once into the directory its
 caller chooses (orca_jax passes `native/` under its one cache directory; `make setup` runs
-`python -m pallas_kernels.native DIR`), named by a hash of the source, flags, compiler and jax
-versions; a file lock and an atomic rename keep concurrent processes from building twice or loading
-half a file. The kernels run once it has loaded the library; this package imports nothing from orca_jax. No -march=native: the library holds
-AVX-512, AVX2 and baseline code and picks at load, so it may be copied between x86 machines.
+`python -m orca_jax.native`), named by a hash of the source, flags, compiler and jax versions; a
+file lock and an atomic rename keep concurrent processes from building twice or loading half a
+file. The kernels run once it has loaded the library; this package imports nothing from orca_jax.
+No -march=native: the library holds AVX-512, AVX2 and baseline code and picks the best the CPU has
+at load (`select_isa` or $ORCA_JAX_NATIVE_ISA a lower one), so it may be copied between x86 machines.
 `unavailable_reason(cache_dir)` says why the library cannot be used (no compiler, failed build); callers
 then fall back to the XLA path (orca_jax.model.paged_attention).
 """
@@ -246,11 +247,3 @@ def write_kv_native(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax
                                            jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
                             input_output_aliases={0: 0, 1: 1})
     return call(k_pages, v_pages, k.astype(jnp.float32), v.astype(jnp.float32), slot_mapping.astype(jnp.int32))
-
-
-if __name__ == "__main__":  # `make setup`: build now rather than on first use; never fails the install
-    import sys
-
-    directory = Path(sys.argv[1])
-    reason = unavailable_reason(directory)
-    print(f"native attention: {'not available: ' + reason if reason else f'built, {build(directory)} ({isa()} variant)'}")

@@ -27,9 +27,7 @@ RUN python -m venv /opt/venv \
     && /opt/venv/bin/python -m compileall -q orca_jax pallas_kernels
 # The native kernel, built now into prebuilt/ (entrypoint.sh copies it into the cache volume); the
 # image build fails if it cannot be built rather than serving on the slower XLA attention.
-RUN ORCA_JAX_COMPILATION_CACHE=/opt/orca-jax/prebuilt /opt/venv/bin/python -m pallas_kernels.native \
-    && ORCA_JAX_COMPILATION_CACHE=/opt/orca-jax/prebuilt /opt/venv/bin/python -c \
-       "import sys; from pallas_kernels.native import unavailable_reason; sys.exit(unavailable_reason())"
+RUN ORCA_JAX_COMPILATION_CACHE=/opt/orca-jax/prebuilt /opt/venv/bin/python -m orca_jax.native --require
 
 FROM ${PYTHON_IMAGE}
 # g++ stays in the runtime image: pallas_kernels.native names the library by `g++ --version` and

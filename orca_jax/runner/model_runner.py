@@ -85,6 +85,7 @@ class RunnerStats:
     device_s: float = 0.0  # dispatch + waiting for the result (device compute that overlaps host work is free)
     real_tokens: int = 0
     padded_tokens: int = 0  # tokens computed including bucket padding
+    buckets: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # steps per (T, S)
 
 
 @dataclasses.dataclass
@@ -307,6 +308,7 @@ class ModelRunner:
         self.stats.steps += 1
         self.stats.padded_tokens += len(plan.token_ids)
         self.stats.real_tokens += plan.num_real_tokens
+        self.stats.buckets[plan.bucket] += 1
         result = self.run_plan(plan)
         self.stats.device_s += time.perf_counter() - start
         return Pending(plan, result)
