@@ -1,0 +1,80 @@
+"""One user chatting: decode speed of a single request (greedy, a ~80-token prompt, 128 new tokens),
+against the machine's memory-speed limit for the weights (every decode token reads all of them).
+
+    python bench/bench_single_stream.py [--max-num-seqs 32] [--runs 3]
+
+Prints one line per run and a summary; saves bench/results/single_stream_new.json (or --out): decode
+tok/s (first token to last), ms per token, the buckets the steps ran in, the weights' bytes, numpy's
+copy bandwidth in the same run and the tok/s that bandwidth allows (copy bytes/s / weight bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import platform
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from orca_jax import LLM, SamplingParams
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle. " * 5
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 10) -> float:
+    """Bytes read + written per second by a warm numpy copy (the yardstick of bench_throughput)."""
+    a, b = np.ones(nbytes // 4, np.float32), np.ones(nbytes // 4, np.float32)
+    np.copyto(b, a)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        np.copyto(b, a)
+    return 2 * nbytes * repeats / (time.perf_counter() - start)
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS / "single_stream_new.json")
+    args = parser.parse_args()
+
+    llm = LLM(max_num_seqs=args.max_num_seqs, show_progress=False)
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm
+    runs = []
+    for _ in range(args.runs):
+        llm.runner.stats.buckets = collections.Counter()
+        out = llm.generate([PROMPT], params, use_tqdm=False)[0]
+        metrics = out.metrics
+        per_token = (metrics.finished_time - metrics.first_token_time) / (len(out.outputs[0].token_ids) - 1)
+        runs.append({"decode_tok_s": 1 / per_token, "ms_per_token": 1000 * per_token,
+                     "buckets": {f"{t}x{s}": n for (t, s), n in llm.runner.stats.buckets.items()}})
+        print(f"decode {1 / per_token:.1f} tok/s ({1000 * per_token:.1f} ms/token), steps per (tokens x seqs) "
+              f"bucket: {runs[-1]['buckets']}", flush=True)
+    weight_bytes = sum(x.nbytes for stage in llm.runner.stages for x in jax.tree.leaves(stage.params))
+    bandwidth = copy_bandwidth()
+    limit = bandwidth / weight_bytes
+    best = max(r["decode_tok_s"] for r in runs)
+    print(f"{cpu_model()}: best {best:.1f} tok/s; weights {weight_bytes / 1e6:.0f} MB, numpy copies "
+          f"{bandwidth / 1e9:.1f} GB/s -> memory-speed limit {limit:.1f} tok/s; {best / limit:.0%} of it")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"cpu": cpu_model(), "max_num_seqs": args.max_num_seqs, "runs": runs,
+                                    "weight_bytes": weight_bytes, "copy_bytes_per_s": bandwidth,
+                                    "limit_tok_s": limit, "best_tok_s": best}, indent=1))
+    print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
