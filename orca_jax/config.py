@@ -233,8 +233,9 @@ class StructuredOutputsConfig:
     `structured_outputs` options override them."""
 
     # True: an object schema that does not say `additionalProperties` generates only the properties
-    # it lists, and json_object is bounded (engine/json_schema.py), so a small model cannot run on
-    # inventing keys until max_tokens cuts the JSON. False: JSON Schema's letter (any extra key).
+    # it lists, unbounded numbers get JSON's interoperable range, and json_object is bounded
+    # (engine/json_schema.py), so a small model cannot run on inventing keys or digits until
+    # max_tokens cuts the JSON. False: JSON Schema's letter (any extra key, any number).
     disable_additional_properties: bool = True
 
     def __post_init__(self) -> None:

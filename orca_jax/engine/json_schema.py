@@ -6,6 +6,8 @@ letter of that (none of its compile options changes it): given a schema without
 until `max_tokens` cuts the JSON. xgrammar, vLLM's default engine, generates only the keys a schema
 lists unless the schema allows more, and users of small models rely on that. `close_objects` makes
 llguidance do the same; `"additionalProperties": true` or a schema for them keeps an object open.
+It also gives numbers without bounds JSON's interoperable range and at most 9 decimals, so
+their digits end.
 """
 
 from __future__ import annotations
@@ -57,7 +59,30 @@ def close_objects(schema: Any, names: tuple[str, ...] = (), close: bool = True) 
     if close and _is_object(out) and "additionalProperties" not in out and "unevaluatedProperties" not in out:
         out["properties"] = {name: _properties(out).get(name, True) for name in everything}
         out["additionalProperties"] = False
+    _bound_number(out)
     return out
+
+
+# A number the schema does not bound lets a small model write digits until max_tokens: SmolLM2, asked
+# the issue's "Answer in JSON about a small town by the sea." with {"population": {"type": "integer"}},
+# wrote "population": 1000000000... for all 160 tokens, and "area_km2": 1200000000000000.0000000000...
+# once the integer part was bounded. Where a schema gives no bound, the range is JSON's interoperable
+# one (RFC 8259: a double holds every integer up to 2^53 - 1 exactly), and a number without
+# `multipleOf` has at most 9 decimals.
+MAX_SAFE_INTEGER = 2**53 - 1
+FINEST_DECIMAL = 1e-9
+
+
+def _bound_number(schema: dict) -> None:
+    kinds = schema.get("type")
+    if not {"integer", "number"} & set(kinds if isinstance(kinds, list) else [kinds]):
+        return
+    if "minimum" not in schema and "exclusiveMinimum" not in schema:
+        schema["minimum"] = -MAX_SAFE_INTEGER
+    if "maximum" not in schema and "exclusiveMaximum" not in schema:
+        schema["maximum"] = MAX_SAFE_INTEGER
+    if kinds != "integer" and "multipleOf" not in schema:
+        schema["multipleOf"] = FINEST_DECIMAL
 
 
 def _ordered(*groups: tuple[str, ...]) -> tuple[str, ...]:

@@ -50,8 +50,10 @@ def test_only_listed_properties_and_items(accepts, schema, good, bad):
 def test_schemas_that_allow_more_stay_open(accepts):
     for extra in (True, {"type": "integer"}):
         assert accepts('{"a": 1, "c": 2}', json={**A, "additionalProperties": extra})
-    assert close_objects({**A, "additionalProperties": True}) == {**A, "additionalProperties": True}
-    assert close_objects(json.loads(json.dumps(A))) == {**A, "additionalProperties": False}
+    # (the integer property also gets its range: test_numbers_without_bounds_get_the_interoperable_range)
+    assert close_objects({**A, "additionalProperties": True})["additionalProperties"] is True
+    closed = close_objects(json.loads(json.dumps(A)))
+    assert closed["additionalProperties"] is False and list(closed["properties"]) == ["a"]
 
 
 def test_json_object_is_bounded(accepts):
@@ -78,3 +80,18 @@ def test_the_engine_setting_is_the_default(smollm2):
     for token in smollm2.tokenizer.encode('{"a": 1, "c": 2}'):
         grammar.accept(token)
     assert not grammar.error
+
+
+def test_numbers_without_bounds_get_the_interoperable_range(accepts):
+    closed = close_objects({"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"},
+                                                             "k": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                             "q": {"type": "number", "multipleOf": 0.5}}})
+    n, x, k, q = (closed["properties"][name] for name in "nxkq")
+    assert (n["minimum"], n["maximum"]) == (-(2**53 - 1), 2**53 - 1) and "multipleOf" not in n
+    assert x["maximum"] == 2**53 - 1 and x["multipleOf"] == 1e-9
+    assert (k["minimum"], k["maximum"]) == (0, 9) and q["multipleOf"] == 0.5  # a schema's own bounds stay
+    schema = {"type": "object", "properties": {"x": {"type": "number"}, "n": {"type": "integer"}}, "required": ["x", "n"]}
+    assert accepts('{"x": 3.14159, "n": -42}', json=schema)
+    assert not accepts('{"x": 0.0000000001, "n": 1}', json=schema)  # 10 decimals
+    assert not accepts('{"x": 2, "n": 9007199254740992}', json=schema)  # 2^53
+    assert accepts('{"x": 0.0000000001, "n": 9007199254740992}', json=schema, strict=False)
