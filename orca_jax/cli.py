@@ -248,18 +248,15 @@ def json_object_arg(text: str) -> dict:
 
 
 def _structured_outputs_config(base, given: dict | None):
-    """--structured-outputs-config over the config file's; an unknown key is an error naming the known."""
+    """--structured-outputs-config over the config file's, checked as a TOML table is (unknown keys
+    and wrong types are errors that name them)."""
     import dataclasses
 
-    from orca_jax.config import ConfigError
+    from orca_jax.config import from_dict
 
     if given is None:
         return base
-    known = {f.name for f in dataclasses.fields(base)}
-    unknown = sorted(set(given) - known)
-    if unknown:
-        raise ConfigError(f"--structured-outputs-config: unknown keys {unknown}; known: {sorted(known)}")
-    return dataclasses.replace(base, **given)
+    return from_dict(type(base), {**dataclasses.asdict(base), **given}, "--structured-outputs-config")
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -95,6 +95,26 @@ def test_every_engine_setting_reaches_the_config_flags_over_the_file(tmp_path):
     assert flags.parallel.tensor_parallel_size == 3  # what no flag overrides stays as the file says
 
 
+def test_structured_outputs_config_flag_over_the_file_checked_as_the_file_is(tmp_path):
+    import argparse
+
+    import pytest
+
+    from orca_jax.cli import add_engine_args, engine_config
+    from orca_jax.config import ConfigError
+
+    config = tmp_path / "engine.toml"
+    config.write_text("[structured_outputs]\ndisable_additional_properties = false\n")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert not engine_config(parser.parse_args(["--config", str(config)])).structured_outputs.disable_additional_properties
+    flag = ["--structured-outputs-config", '{"disable_additional_properties": true}']
+    assert engine_config(parser.parse_args(["--config", str(config), *flag])).structured_outputs.disable_additional_properties
+    for bad, says in (('{"nope": 1}', "unknown key"), ('{"disable_additional_properties": "yes"}', "expected bool")):
+        with pytest.raises(ConfigError, match=says):
+            engine_config(parser.parse_args(["--structured-outputs-config", bad]))
+
+
 def test_pull_of_an_unknown_or_unpublished_preset_is_one_error_line():
     assert_one_error_line(orca_jax("pull", "no-such-model"), "unknown model 'no-such-model'",
                           "smollm2-135m-instruct", "tiny-gpt")
