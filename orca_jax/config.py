@@ -100,6 +100,9 @@ class ModelConfig:
     rope_original_max_position: int | None = None  # tokens: the context length of pre-training, e.g. 8192
     rope_freq_factors: tuple[float, ...] | None = None  # dimensionless divisors, for "freq_factors" only
     tie_word_embeddings: bool = True  # LM head shares the token embedding matrix
+    # Llama-shape families differ from Llama in these switches (llama only):
+    qkv_bias: bool = False  # biases on the q, k and v projections, none on the output (Qwen2, Qwen2.5)
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before rotary (Qwen3)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     dtype: DType = "float32"  # parameters and activations; use float32 on CPU
@@ -127,6 +130,11 @@ class ModelConfig:
         _require(
             self.architecture != "llama" or self.head_dim % 2 == 0,
             f"ModelConfig {self.name!r}: RoPE needs an even head_dim, got {self.head_dim}",
+        )
+        _require(
+            self.architecture == "llama" or not (self.qkv_bias or self.qk_norm),
+            f"ModelConfig {self.name!r}: qkv_bias and qk_norm are switches of the llama architecture; "
+            "gpt2 has biases everywhere and no q/k norm",
         )
         self._check_rope_scaling()
         _require(self.norm_eps > 0, f"ModelConfig {self.name!r}: norm_eps must be > 0, got {self.norm_eps}")

@@ -58,9 +58,14 @@ def to_decoder_params(config: ModelConfig, tensors: dict[str, np.ndarray]) -> di
         else:
             projections = {p: take(f"{src}.attn_{p}.weight") for p in "qkv"}
             biases = {}
+            if config.qkv_bias:
+                biases = {p: take(f"{src}.attn_{p}.bias") for p in "qkv"}
+            if config.qk_norm:  # one scale per head dim, shared by the heads
+                out[f"{dest}.attn.q_norm.scale"] = take(f"{src}.attn_q_norm.weight")
+                out[f"{dest}.attn.k_norm.scale"] = take(f"{src}.attn_k_norm.weight")
         for p, heads in (("q", h), ("k", k), ("v", k)):
             out[f"{dest}.attn.{p}.kernel"] = projections[p].T.reshape(d, heads, dh)
-            if gpt2:
+            if biases:
                 out[f"{dest}.attn.{p}.bias"] = biases[p].reshape(heads, dh)
         out[f"{dest}.attn.o.kernel"] = take(f"{src}.attn_output.weight").T.reshape(h, dh, d)
         mlp_parts = ("up", "down") if gpt2 else ("gate", "up", "down")

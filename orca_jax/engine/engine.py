@@ -112,7 +112,11 @@ class LLMEngine:
         if not prompt_ids:
             raise RequestRejected("the prompt is empty; give at least one token")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        not_ints = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool)]
+        if not_ints:
+            raise RequestRejected(f"prompt token ids must be Python ints; got {not_ints[:5]!r} "
+                                  f"({type(not_ints[0]).__name__}); convert them, e.g. with .tolist()")
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise RequestRejected(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         total = len(prompt_ids) + params.max_tokens

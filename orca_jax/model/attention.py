@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from orca_jax.model.layers import Dense
+from orca_jax.model.layers import Dense, RMSNorm
 from orca_jax.model.paged_attention import MASK_VALUE, paged_attention
 from orca_jax.model.rotary import RopeScaling, apply_rope
 
@@ -76,18 +76,24 @@ class Attention(nnx.Module):
         use_bias: bool,
         rope_theta: float | None,
         rope_scaling: RopeScaling | None = None,
+        qkv_bias: bool = False,
+        qk_norm_eps: float | None = None,
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
     ):
+        """`use_bias`: biases on every projection (GPT-2); `qkv_bias`: on q, k, v only (Qwen2);
+        `qk_norm_eps`: RMSNorm each head's q and k over Dh with this eps before rotary (Qwen3)."""
         def proj(heads: int, axis: str) -> Dense:
             return Dense((d_model,), (heads, head_dim), ("embed",), (axis, "head_dim"),
-                         use_bias=use_bias, dtype=dtype, rngs=rngs)
+                         use_bias=use_bias or qkv_bias, dtype=dtype, rngs=rngs)
 
         self.q = proj(num_heads, "q_heads")
         self.k = proj(num_kv_heads, "kv_heads")
         self.v = proj(num_kv_heads, "kv_heads")
         self.o = Dense((num_heads, head_dim), (d_model,), ("q_heads", "head_dim"), ("embed",),
                        use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.q_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps, dtype)
+        self.k_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps, dtype)
         self.rope_theta = rope_theta  # None: positions come from a learned embedding instead
         self.rope_scaling = rope_scaling
         self.sm_scale = 1.0 / math.sqrt(head_dim)
@@ -97,6 +103,8 @@ class Attention(nnx.Module):
         attention: PagedAttention = paged_attention,
     ) -> tuple[Float[Array, "T D"], KVCache | None]:
         q, k, v = self.q(x), self.k(x), self.v(x)  # [T, H, Dh], [T, K, Dh], [T, K, Dh]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
             q = apply_rope(q, meta.positions, self.rope_theta, self.rope_scaling)
             k = apply_rope(k, meta.positions, self.rope_theta, self.rope_scaling)

@@ -26,7 +26,8 @@ class DecoderLayer(nnx.Module):
         self.attn = Attention(
             config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
             use_bias=not llama, rope_theta=config.rope_theta if llama else None,
-            rope_scaling=rope_scaling_of(config), dtype=dtype, rngs=rngs,
+            rope_scaling=rope_scaling_of(config), qkv_bias=config.qkv_bias,
+            qk_norm_eps=config.norm_eps if config.qk_norm else None, dtype=dtype, rngs=rngs,
         )
         self.mlp_norm = norm(config.d_model, config.norm_eps, dtype)
         mlp = SwiGLU if llama else GeluMLP
