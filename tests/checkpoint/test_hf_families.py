@@ -75,3 +75,38 @@ def test_greedy_continuations_match_transformers_batched_and_alone(family_model,
         solo = run_all(make_engine(family_runner, loaded, policy, **LIMITS), [one])[0]
         assert solo.outputs[0].token_ids == out.outputs[0].token_ids
     assert family_runner.num_compilations_after_warmup == 0
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"model_type": "mamba"}, "model_type 'mamba' is not supported; supported: llama, qwen2, qwen3, phi3, gpt2"),
+    ({"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window=True"),
+    ({"sliding_window": 64}, "sliding_window=64"),  # on the phi3 fixture, which has no use_sliding_window
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "default", "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor=0.5"),
+    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+])
+def test_unsupported_families_and_fields_are_refused_by_name(tmp_path, change, named):
+    import json
+    import shutil
+
+    folder = tmp_path / "hf"
+    shutil.copytree(FIXTURES / ("phi3" if change == {"sliding_window": 64} else "qwen2"), folder)
+    config = json.loads((folder / "config.json").read_text()) | change
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        convert(folder, "refused", tmp_path / "out")
+
+
+def test_a_sliding_window_as_long_as_the_context_is_accepted(tmp_path):
+    """Real Qwen2.5 configs carry sliding_window = 131072 (>= their context) with use_sliding_window
+    false; such a window cuts nothing off."""
+    import json
+    import shutil
+
+    folder = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "phi3", folder)
+    config = json.loads((folder / "config.json").read_text()) | {"sliding_window": 256}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert load_model(convert(folder, "accepted", tmp_path / "out")).config.n_layers == 2
