@@ -4,10 +4,11 @@ The kernel contract (DESIGN.md), as for the Pallas kernel:
 
     ragged_paged_attention_native(q[T, Hq, Dh], k_pages[P, page, Hkv, Dh], v_pages[P, page, Hkv, Dh],
                                   segment_ids[T], positions[T], block_tables[S, max_pages], kv_lens[S],
-                                  *, sm_scale) -> [T, Hq, Dh]
+                                  *, sm_scale, sliding_window=None, soft_cap=None) -> [T, Hq, Dh]
 
 Token t of segment s attends to the cached tokens of s at positions <= positions[t] and below
-kv_lens[s]; query head h reads KV head h // (Hq // Hkv); a token whose segment id is outside [0, S)
+kv_lens[s] (and inside its sliding window; scores soft-capped: `check_options`), reading only the
+pages inside the window; query head h reads KV head h // (Hq // Hkv); a token whose segment id is outside [0, S)
 is padding and gives zeros; tokens may come in any order. q and the output are float32 or bfloat16,
 the pages float32 or bfloat16 (converted to f32 as they are read); the math is f32.
 
@@ -46,7 +47,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from pallas_kernels.ragged_paged_attention import check_inputs, ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention import check_inputs, check_options, ragged_paged_attention_reference
 
 SOURCE = Path(__file__).resolve().parent / "cpu" / "ragged_paged_attention.cc"
 TARGET = "orca_ragged_paged_attention"
@@ -210,7 +211,7 @@ def _require_loaded() -> None:
                                 "first, which builds and loads it")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale",))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
 def ragged_paged_attention_native(
     q: jax.Array,
     k_pages: jax.Array,
@@ -221,9 +222,12 @@ def ragged_paged_attention_native(
     kv_lens: jax.Array,
     *,
     sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """See the module docstring. Raises NativeUnavailable when the library is not loaded."""
     check_inputs(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens)
+    check_options(sliding_window, soft_cap)
     for name, array in (("q", q), ("k_pages", k_pages)):
         if array.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"ragged_paged_attention_native: {name} must be float32 or bfloat16, got {array.dtype}")
@@ -233,7 +237,8 @@ def ragged_paged_attention_native(
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     int32 = lambda array: array.astype(jnp.int32)
     out = call(q.astype(jnp.float32), k_pages, v_pages, int32(segment_ids), int32(positions), int32(block_tables),
-               int32(kv_lens), sm_scale=np.float32(sm_scale))
+               int32(kv_lens), sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
+               soft_cap=np.float32(soft_cap or 0.0))
     return out.astype(q.dtype)
 
 

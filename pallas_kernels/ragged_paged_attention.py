@@ -4,10 +4,11 @@ The kernel contract (DESIGN.md):
 
     ragged_paged_attention(q[T, Hq, Dh], k_pages[P, page, Hkv, Dh], v_pages[P, page, Hkv, Dh],
                            segment_ids[T], positions[T], block_tables[S, max_pages], kv_lens[S],
-                           *, sm_scale, interpret=False) -> [T, Hq, Dh]
+                           *, sm_scale, sliding_window=None, soft_cap=None, interpret=False) -> [T, Hq, Dh]
 
 Token t of segment s attends to the cached tokens of s at positions <= positions[t] (its own K/V is
-already written), and below kv_lens[s]. Grouped-query attention: query head h reads KV head
+already written), and below kv_lens[s]; with a sliding window W, only to positions > positions[t] - W;
+with a soft cap c, each score s becomes c * tanh(s / c) (`check_options`). Grouped-query attention: query head h reads KV head
 h // (Hq // Hkv). A token whose segment id is outside [0, S) is padding and gives zeros. Tokens may
 come in any order and a segment's tokens need not be contiguous; decode tokens, prefill chunks and
 both mixed are one call.
@@ -63,6 +64,8 @@ def _kernel(
     *,
     num_seqs: int,
     group: int,
+    sliding_window: int | None,
+    soft_cap: float | None,
 ):
     block_q, _, head_dim = q_ref.shape
     page_size = k_pages_ref.shape[1]
@@ -75,6 +78,9 @@ def _kernel(
         rows = valid & (segments == seg)  # [BQ]
         kv_len = kv_lens_ref[seg]
         end = jnp.minimum(jnp.max(jnp.where(rows, positions, -1)) + 1, kv_len)
+        # Pages wholly before every row's window are not read.
+        start = 0 if sliding_window is None else jnp.maximum(
+            jnp.min(jnp.where(rows, positions, jnp.iinfo(jnp.int32).max)) - sliding_window + 1, 0)
 
         def visit_page(j, carry):
             page = block_tables_ref[seg, j]
@@ -82,12 +88,16 @@ def _kernel(
             v = v_pages_ref[page]
             key_pos = j * page_size + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)  # [1, page]
             visible = rows[:, None] & (key_pos <= positions[:, None]) & (key_pos < kv_len)  # [BQ, page]
+            if sliding_window is not None:
+                visible &= key_pos > positions[:, None] - sliding_window
             updated = []
             for q, (row_max, row_sum, acc) in zip(queries, carry):
                 scores = jax.lax.dot_general(
                     q, k, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
                     preferred_element_type=jnp.float32,
                 )  # [BQ, page]
+                if soft_cap is not None:
+                    scores = soft_cap * jnp.tanh(scores / soft_cap)
                 scores = jnp.where(visible, scores, MASK_VALUE)
                 new_max = jnp.maximum(row_max, scores.max(axis=1))
                 correction = jnp.exp(row_max - new_max)
@@ -97,7 +107,8 @@ def _kernel(
                 updated.append((new_max, row_sum * correction + probs.sum(axis=1), acc * correction[:, None] + pv))
             return tuple(updated)
 
-        return jax.lax.fori_loop(0, pl.cdiv(end, page_size), visit_page, carry)
+        num_visited = pl.cdiv(end, page_size)
+        return jax.lax.fori_loop(jnp.minimum(start // page_size, num_visited), num_visited, visit_page, carry)
 
     first = jnp.min(jnp.where(valid, segments, num_seqs))
     last = jnp.max(jnp.where(valid, segments, -1))
@@ -140,7 +151,7 @@ def check_inputs(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_l
         fail(f"k_pages ({k_pages.dtype}) and v_pages ({v_pages.dtype}) must share a dtype")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_sizes", "interpret"))
 def ragged_paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -151,11 +162,15 @@ def ragged_paged_attention(
     kv_lens: jax.Array,
     *,
     sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
     block_sizes: BlockSizes = BlockSizes(),
     interpret: bool = False,
 ) -> jax.Array:
-    """See the module docstring. `interpret=True` runs the kernel body as plain JAX (any backend)."""
+    """See the module docstring (`sliding_window`, `soft_cap`: `check_options`). `interpret=True`
+    runs the kernel body as plain JAX (any backend)."""
     check_inputs(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens)
+    check_options(sliding_window, soft_cap)
     num_tokens, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     num_seqs, _ = block_tables.shape
@@ -183,7 +198,8 @@ def ragged_paged_attention(
         compiler_params = pl_triton.CompilerParams(num_warps=block_sizes.num_warps,
                                                    num_stages=block_sizes.num_stages)
     out = pl.pallas_call(
-        functools.partial(_kernel, num_seqs=num_seqs, group=group),
+        functools.partial(_kernel, num_seqs=num_seqs, group=group, sliding_window=sliding_window,
+                          soft_cap=soft_cap),
         grid=(padded_tokens // block_q, num_kv_heads),
         in_specs=[token_block, token_block, head_block, whole(block_tables.shape), whole(kv_lens.shape),
                   pages_of_head, pages_of_head],
@@ -196,9 +212,26 @@ def ragged_paged_attention(
     return out[:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim)
 
 
+def check_options(sliding_window: int | None, soft_cap: float | None) -> None:
+    """The contract's two optional terms, shared by every implementation:
+
+    - `sliding_window` (tokens): a token at position p sees only keys at positions > p - window,
+      i.e. the last `window` positions, its own included (Mistral, Gemma's local layers); None: all.
+    - `soft_cap`: each score s (after sm_scale) becomes soft_cap * tanh(s / soft_cap) before the
+      softmax (Gemma 2); None: scores as they are.
+    """
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"ragged_paged_attention: sliding_window must be a positive int (tokens) or None, "
+                         f"got {sliding_window!r}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"ragged_paged_attention: soft_cap must be > 0 or None, got {soft_cap!r}")
+
+
 def ragged_paged_attention_reference(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens, *,
-                                     sm_scale: float) -> jax.Array:
+                                     sm_scale: float, sliding_window: int | None = None,
+                                     soft_cap: float | None = None) -> jax.Array:
     """The contract in plain jnp, float32 math, one dense softmax per token: the tests' oracle."""
+    check_options(sliding_window, soft_cap)
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     num_seqs, max_pages = block_tables.shape
@@ -210,8 +243,12 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, segment_ids, positions
     keys = jnp.repeat(keys.astype(jnp.float32), group, axis=2)  # [T, L, Hq, Dh]
     values = jnp.repeat(values.astype(jnp.float32), group, axis=2)
     scores = jnp.einsum("thd,tlhd->thl", q.astype(jnp.float32), keys) * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     key_pos = jnp.arange(max_pages * page_size)
     visible = valid[:, None] & (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] < kv_lens[seg][:, None])
+    if sliding_window is not None:
+        visible &= key_pos[None, :] > positions[:, None] - sliding_window
     scores = jnp.where(visible[:, None, :], scores, -jnp.inf)
     any_visible = visible.any(axis=1)[:, None, None]
     probs = jax.nn.softmax(jnp.where(any_visible, scores, 0.0), axis=-1)

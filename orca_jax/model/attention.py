@@ -51,14 +51,21 @@ def attend(
     v: Float[Array, "T K Dh"],
     meta: AttentionMetadata,
     sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> Float[Array, "T H Dh"]:
-    """Token t attends to every token s of the same segment with positions[s] <= positions[t]."""
+    """Token t attends to every token s of the same segment with positions[s] <= positions[t]
+    (and > positions[t] - sliding_window); scores soft-capped if asked, as the kernel contract."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q = q.reshape(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [T, K, G, Dh]
     scores = jnp.einsum("tkgd,skd->kgts", q, k, preferred_element_type=jnp.float32) * sm_scale  # [K, G, T, T]
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     same_segment = meta.segment_ids[:, None] == meta.segment_ids[None, :]  # [T, T]
     causal = meta.positions[None, :] <= meta.positions[:, None]
+    if sliding_window is not None:
+        causal &= meta.positions[None, :] > meta.positions[:, None] - sliding_window
     scores = jnp.where(same_segment & causal, scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("kgts,skd->tkgd", probs, v)  # [T, K, G, Dh]

@@ -2,10 +2,12 @@
 of the kernel contract (DESIGN.md):
 
     ragged_paged_attention(q[T,H,Dh], k_pages[P,page,K,Dh], v_pages[P,page,K,Dh], segment_ids[T],
-                           positions[T], block_tables[S,max_pages], kv_lens[S], *, sm_scale) -> [T,H,Dh]
+                           positions[T], block_tables[S,max_pages], kv_lens[S], *, sm_scale,
+                           sliding_window=None, soft_cap=None) -> [T,H,Dh]
 
-Token t of segment s attends to the cached tokens of s at positions <= positions[t]; its own K/V is
-already written. Tokens with a segment id outside [0, S) are padding and give zeros.
+Token t of segment s attends to the cached tokens of s at positions <= positions[t] (and inside its
+sliding window, if any); its own K/V is already written. Tokens with a segment id outside [0, S) are
+padding and give zeros.
 
 The XLA version splits each token's keys in two, sharing one online softmax:
   1. the tokens of this call (a prefill chunk, or a decode's single token): their K/V are read back
@@ -60,6 +62,8 @@ def ragged_paged_attention_xla(
     kv_lens: Int[Array, " S"],
     *,
     sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> Float[Array, "T H Dh"]:
     del kv_lens  # implied by the precondition: the call's last token of a segment is its last position
     num_tokens, num_heads, head_dim = q.shape
@@ -76,9 +80,12 @@ def ragged_paged_attention_xla(
     k_flat = k_pages.reshape(num_pages * page_size, num_kv_heads, head_dim)
     v_flat = v_pages.reshape(num_pages * page_size, num_kv_heads, head_dim)
     k_new = k_flat[slots].astype(jnp.float32)  # [T, K, Dh]
-    v_new = v_flat[slots].astype(jnp.float32)
-    scores = jnp.einsum("tkgd,skd->tkgs", qg, k_new)  # [T, K, G, T]
+    # Padding tokens read some slot back; zero their values so no stale (or NaN) row leaks in as 0 x NaN.
+    v_new = jnp.where(valid[:, None, None], v_flat[slots].astype(jnp.float32), 0.0)
+    scores = _cap(jnp.einsum("tkgd,skd->tkgs", qg, k_new), soft_cap)  # [T, K, G, T]
     visible = (seg[:, None] == seg[None, :]) & valid[None, :] & (positions[None, :] <= positions[:, None])
+    if sliding_window is not None:
+        visible &= positions[None, :] > positions[:, None] - sliding_window
     scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
     row_max = scores.max(axis=-1)  # [T, K, G]
     probs = jnp.exp(scores - row_max[..., None])
@@ -96,8 +103,11 @@ def ragged_paged_attention_xla(
     # context loop for S rows, not T.
     split = min(num_seqs, num_tokens)
     groups = [slice(0, split), slice(split, num_tokens)] if split < num_tokens else [slice(0, num_tokens)]
+    # Keys at positions >= window_start[t] are inside token t's window (all of them without one).
+    window_start = jnp.zeros_like(positions) if sliding_window is None else positions - sliding_window + 1
     parts = [
-        _attend_context(qg[g], token_tables[g], context_len[g], k_pages, v_pages, tuple(c[g] for c in carry))
+        _attend_context(qg[g], token_tables[g], context_len[g], window_start[g], k_pages, v_pages,
+                        tuple(c[g] for c in carry), soft_cap)
         for g in groups
     ]
     row_max, row_sum, acc = (jnp.concatenate([p[i] for p in parts]) for i in range(3))
@@ -106,14 +116,22 @@ def ragged_paged_attention_xla(
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
-def _attend_context(qg, token_tables, context_len, k_pages, v_pages, carry):
+def _cap(scores, soft_cap: float | None):
+    return scores if soft_cap is None else soft_cap * jnp.tanh(scores / soft_cap)
+
+
+def _attend_context(qg, token_tables, context_len, window_start, k_pages, v_pages, carry, soft_cap):
     """Continues the online softmax of rows `qg` [R, K, G, Dh] over their cached context, a block of
-    PAGES_PER_BLOCK pages per iteration; the trip count follows the longest context at run time."""
+    PAGES_PER_BLOCK pages per iteration; the trip count follows the longest context at run time, and
+    blocks wholly before every row's window start are not read."""
     num_rows, num_kv_heads, _, head_dim = qg.shape
     page_size = k_pages.shape[1]
     max_pages = token_tables.shape[1]
     block_tokens = PAGES_PER_BLOCK * page_size
     num_blocks = (context_len.max(initial=0) + block_tokens - 1) // block_tokens
+    has_context = context_len > 0
+    first_block = jnp.where(has_context, jnp.maximum(window_start, 0), jnp.iinfo(jnp.int32).max).min(
+        initial=jnp.iinfo(jnp.int32).max) // block_tokens
 
     def attend_block(j, carry):
         row_max, row_sum, acc = carry
@@ -122,31 +140,34 @@ def _attend_context(qg, token_tables, context_len, k_pages, v_pages, carry):
         k_blk = k_pages[pages].reshape(num_rows, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
         v_blk = v_pages[pages].reshape(num_rows, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
         key_pos = j * block_tokens + jnp.arange(block_tokens)  # [L]
-        s = jnp.einsum("tkgd,tlkd->tkgl", qg, k_blk)  # [R, K, G, L]
-        s = jnp.where((key_pos[None, :] < context_len[:, None])[:, None, None, :], s, MASK_VALUE)
+        s = _cap(jnp.einsum("tkgd,tlkd->tkgl", qg, k_blk), soft_cap)  # [R, K, G, L]
+        visible = (key_pos[None, :] < context_len[:, None]) & (key_pos[None, :] >= window_start[:, None])
+        s = jnp.where(visible[:, None, None, :], s, MASK_VALUE)
         new_max = jnp.maximum(row_max, s.max(axis=-1))
         scale = jnp.exp(row_max - new_max)
         p = jnp.exp(s - new_max[..., None])
         return new_max, row_sum * scale + p.sum(axis=-1), acc * scale[..., None] + jnp.einsum("tkgl,tlkd->tkgd", p, v_blk)
 
-    return jax.lax.fori_loop(0, num_blocks, attend_block, carry)
+    return jax.lax.fori_loop(jnp.minimum(first_block, num_blocks), num_blocks, attend_block, carry)
 
 
 def _pallas(interpret: bool):
-    def call(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens, *, sm_scale):
+    def call(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens, *, sm_scale,
+             sliding_window=None, soft_cap=None):
         from pallas_kernels import ragged_paged_attention as kernel
 
         return kernel(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens,
-                      sm_scale=sm_scale, interpret=interpret)
+                      sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
 
     return call
 
 
-def _native(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens, *, sm_scale):
+def _native(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens, *, sm_scale,
+            sliding_window=None, soft_cap=None):
     from pallas_kernels.native import ragged_paged_attention_native
 
     return ragged_paged_attention_native(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens,
-                                         sm_scale=sm_scale)
+                                         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
 # "pallas" compiles the kernel (Triton on GPU); "pallas-interpret" runs its body as plain JAX on any
@@ -222,11 +243,14 @@ def _warn_fallback(reason: str) -> None:
 
 
 def paged_attention(q: Float[Array, "T H Dh"], k: Float[Array, "T K Dh"], v: Float[Array, "T K Dh"],
-                    kv: tuple[KVPages, KVPages], meta, *, sm_scale: float, impl: str = "xla"):
+                    kv: tuple[KVPages, KVPages], meta, *, sm_scale: float, sliding_window: int | None = None,
+                    soft_cap: float | None = None, impl: str = "xla"):
     """One layer's cache step: writes this call's K/V into the pages, then attends over them with
-    the implementation `impl`. Returns (out [T, H, Dh], (k_pages, v_pages)). `meta` is the layer's
-    AttentionMetadata. Under tensor parallelism this whole function runs per shard of heads."""
+    the implementation `impl` (`sliding_window`, `soft_cap`: the contract's optional terms, see
+    pallas_kernels.ragged_paged_attention.check_options). Returns (out [T, H, Dh], (k_pages, v_pages)).
+    `meta` is the layer's AttentionMetadata. Under tensor parallelism this whole function runs per
+    shard of heads."""
     k_pages, v_pages = KV_WRITERS.get(impl, write_kv)(*kv, k, v, meta.slot_mapping)
     out = ATTENTION_IMPLS[impl](q, k_pages, v_pages, meta.segment_ids, meta.positions, meta.block_tables,
-                                meta.kv_lens, sm_scale=sm_scale)
+                                meta.kv_lens, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     return out, (k_pages, v_pages)

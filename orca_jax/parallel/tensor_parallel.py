@@ -24,8 +24,8 @@ def sharded_paged_attention(impl: str, mesh: Mesh) -> PagedAttention:
     if mesh.size == 1:
         return attention
 
-    def per_shard(q, k, v, kv, meta, *, sm_scale):
-        body = functools.partial(attention, sm_scale=sm_scale)
+    def per_shard(q, k, v, kv, meta, **options):  # sm_scale, sliding_window, soft_cap
+        body = functools.partial(attention, **options)
         return jax.shard_map(
             body, mesh=mesh,
             in_specs=(Q_HEADS_SPEC, KV_HEADS_SPEC, KV_HEADS_SPEC, (KV_PAGES_SPEC, KV_PAGES_SPEC), PartitionSpec()),

@@ -62,6 +62,8 @@ struct Problem {
   int64_t num_heads, num_kv_heads, group, head_dim;
   int64_t num_pages, page_size, num_seqs, max_pages;
   float sm_scale;
+  int64_t sliding_window;  // tokens; 0: none (a token at p sees keys at positions > p - window)
+  float soft_cap;          // 0: none (scores s -> cap * tanh(s / cap))
   std::vector<Item> items;
 };
 
@@ -165,14 +167,26 @@ __attribute__((always_inline)) inline vf exp_nonpositive(vf x) {
   return p * reinterpret_cast<vf>(bits);
 }
 
+// tanh(x) in plain arithmetic: an odd polynomial near 0 (where 1 - e^-2|x| would cancel), else
+// (1 - e) / (1 + e) with e = e^-2|x|; within a few ulp of tanh.
+__attribute__((always_inline)) inline vf tanh_vec(vf x) {
+  const vf ax = x < 0.0f ? -x : x;
+  const vf e = exp_nonpositive(-2.0f * ax);
+  const vf far = (1.0f - e) / (1.0f + e);
+  const vf x2 = ax * ax;  // Taylor to x^9: error below 3e-12 for |x| < 0.1
+  const vf near = ax * (1.0f + x2 * (-1.0f / 3 + x2 * (2.0f / 15 + x2 * (-17.0f / 315 + x2 * (62.0f / 2835)))));
+  const vf t = ax < 0.1f ? near : far;
+  return x < 0.0f ? -t : t;
+}
+
 // ---- one work item ---------------------------------------------------------------------------
 
 // Per-thread buffers, grown on demand and kept between calls (no allocation on the hot path).
 struct Scratch {
   std::vector<float> q, acc, keys, values, zeros;
   std::vector<float> row_max, row_sum;
-  std::vector<int64_t> limit, active;
-  std::vector<int32_t> visible_end;
+  std::vector<int64_t> limit, lowest, active;
+  std::vector<int32_t> visible_start, visible_end;
 };
 
 // Online-softmax state of the item's rows.
@@ -184,16 +198,17 @@ struct Rows {
 };
 
 // One chunk of 16 keys at positions `key_pos` (rows past the chunk's end point at zeros) for RB query
-// rows of one KV head: each K and V row is loaded once for the RB rows. Row b sees the keys before
-// position `ends[b]`.
+// rows of one KV head: each K and V row is loaded once for the RB rows. Row b sees the keys at
+// positions [starts[b], ends[b]); scores are soft-capped when `soft_cap` > 0.
 template <int RB, int NV>
-__attribute__((always_inline)) inline void attend_chunk(Rows st, const int64_t* rows, const int32_t* ends, vi key_pos,
+__attribute__((always_inline)) inline void attend_chunk(Rows st, const int64_t* rows, const int32_t* starts,
+                                                        const int32_t* ends, vi key_pos, float soft_cap,
                                                         const float* const* key_rows,
                                                         const float* const* value_rows, int64_t nv,
                                                         const char* const* prefetch, int64_t prefetch_bytes) {
   const int64_t width = nv * kLanes;
   vi visible[RB];
-  for (int b = 0; b < RB; ++b) visible[b] = key_pos < ends[b];
+  for (int b = 0; b < RB; ++b) visible[b] = (key_pos < ends[b]) & (key_pos >= starts[b]);
   // 1. Scores: per key, RB dot products as vectors of partial sums, then one transposing sum each.
   vf parts[RB][kLanes];
   for (int j = 0; j < kLanes; ++j) {
@@ -213,7 +228,9 @@ __attribute__((always_inline)) inline void attend_chunk(Rows st, const int64_t* 
   float correction[RB];
   for (int b = 0; b < RB; ++b) {
     const int64_t r = rows[b];
-    const vf scores = visible[b] ? transpose_sum(parts[b]) : vf{} + kMask;
+    vf scores = transpose_sum(parts[b]);
+    if (soft_cap > 0.0f) scores = soft_cap * tanh_vec(scores / soft_cap);
+    scores = visible[b] ? scores : vf{} + kMask;
     const vf new_max = all_lanes_max(scores) > st.row_max[r] ? all_lanes_max(scores) : vf{} + st.row_max[r];
     const vf p = visible[b] ? exp_nonpositive(scores - new_max) : vf{};
     correction[b] = exp_nonpositive(vf{} + (st.row_max[r] - new_max[0]))[0];
@@ -254,12 +271,18 @@ __attribute__((always_inline)) inline void attend_item(const Problem& p, const I
 
   const int32_t seg = p.segment_ids[item.start];
   int64_t end = 0;  // one past the last key position any row of the item sees
+  int64_t begin = 0;  // the first key position any row sees (> 0 under a sliding window)
   if (seg >= 0 && seg < p.num_seqs) {
     const int64_t kv_len = std::min<int64_t>(p.kv_lens[seg], p.max_pages * p.page_size);
     s.limit.resize(tokens);
+    s.lowest.resize(tokens);
+    begin = kv_len;
     for (int64_t i = 0; i < tokens; ++i) {
-      s.limit[i] = std::min<int64_t>(static_cast<int64_t>(p.positions[item.start + i]) + 1, kv_len);
+      const int64_t position = p.positions[item.start + i];
+      s.limit[i] = std::min<int64_t>(position + 1, kv_len);
+      s.lowest[i] = p.sliding_window > 0 ? std::max<int64_t>(position - p.sliding_window + 1, 0) : 0;
       end = std::max(end, s.limit[i]);
+      begin = std::min(begin, s.lowest[i]);
     }
   }
   if (end <= 0) {  // padding, or nothing visible: zeros
@@ -275,6 +298,7 @@ __attribute__((always_inline)) inline void attend_item(const Problem& p, const I
   s.values.resize(kLanes * width);
   s.zeros.assign(width, 0.0f);
   s.active.resize(rows);
+  s.visible_start.resize(rows);
   s.visible_end.resize(rows);
   const float* q = static_cast<const float*>(p.q);
   for (int64_t i = 0; i < tokens; ++i)
@@ -302,8 +326,9 @@ __attribute__((always_inline)) inline void attend_item(const Problem& p, const I
     const int64_t page = std::clamp<int64_t>(table[page_slot], 0, p.num_pages - 1);
     return (page * p.page_size + offset) * row_stride + item.first_kv_head * dh;
   };
-  int64_t keys = 0, first_slot = chunk_at(0, keys);
-  for (int64_t base = 0; base < end;) {
+  // Keys before `begin` are outside every row's window: their pages are not read.
+  int64_t keys = 0, first_slot = chunk_at(begin, keys);
+  for (int64_t base = begin; base < end;) {
     // Ask for the next chunk's rows now: its page is anywhere in memory (no stream for the
     // hardware prefetcher to follow), and this chunk's compute hides the latency.
     int64_t next_keys = 0, next_slot = 0;
@@ -342,22 +367,24 @@ __attribute__((always_inline)) inline void attend_item(const Problem& p, const I
       // The rows that see some key of this chunk (a causal prefill's early tokens see none).
       int64_t active = 0;
       for (int64_t i = 0; i < tokens; ++i) {
-        if (s.limit[i] <= base) continue;
+        if (s.limit[i] <= base || s.lowest[i] >= base + keys) continue;
         const auto visible_end = static_cast<int32_t>(std::min(s.limit[i], base + keys));
         for (int64_t g = 0; g < group; ++g) {
           s.active[active] = (i * heads + h) * group + g;
+          s.visible_start[active] = static_cast<int32_t>(s.lowest[i]);
           s.visible_end[active++] = visible_end;
         }
       }
       const Rows st{s.q.data(), s.acc.data(), s.row_max.data(), s.row_sum.data()};
       for (int64_t b = 0; b < active; b += 4) {
         const int64_t* r = s.active.data() + b;
+        const int32_t* starts = s.visible_start.data() + b;
         const int32_t* ends = s.visible_end.data() + b;
         switch (std::min<int64_t>(active - b, 4)) {
-          case 4: attend_chunk<4, NV>(st, r, ends, key_pos, key_rows, value_rows, nv, prefetch, b ? 0 : prefetch_bytes); break;
-          case 3: attend_chunk<3, NV>(st, r, ends, key_pos, key_rows, value_rows, nv, prefetch, b ? 0 : prefetch_bytes); break;
-          case 2: attend_chunk<2, NV>(st, r, ends, key_pos, key_rows, value_rows, nv, prefetch, b ? 0 : prefetch_bytes); break;
-          default: attend_chunk<1, NV>(st, r, ends, key_pos, key_rows, value_rows, nv, prefetch, b ? 0 : prefetch_bytes); break;
+          case 4: attend_chunk<4, NV>(st, r, starts, ends, key_pos, p.soft_cap, key_rows, value_rows, nv, prefetch, b ? 0 : prefetch_bytes); break;
+          case 3: attend_chunk<3, NV>(st, r, starts, ends, key_pos, p.soft_cap, key_rows, value_rows, nv, prefetch, b ? 0 : prefetch_bytes); break;
+          case 2: attend_chunk<2, NV>(st, r, starts, ends, key_pos, p.soft_cap, key_rows, value_rows, nv, prefetch, b ? 0 : prefetch_bytes); break;
+          default: attend_chunk<1, NV>(st, r, starts, ends, key_pos, p.soft_cap, key_rows, value_rows, nv, prefetch, b ? 0 : prefetch_bytes); break;
         }
       }
     }
@@ -462,7 +489,8 @@ void parallel_for(ffi::ThreadPool& pool, int64_t count, F&& body) {
 ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
                                 ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> segment_ids,
                                 ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> block_tables,
-                                ffi::Buffer<ffi::S32> kv_lens, ffi::Result<ffi::AnyBuffer> out, float sm_scale) {
+                                ffi::Buffer<ffi::S32> kv_lens, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
+                                int64_t sliding_window, float soft_cap) {
   // Shapes are validated in Python (the wrapper names the argument); these checks keep a direct
   // caller from reading out of bounds.
   auto q_dims = q.dimensions();
@@ -495,6 +523,10 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   p.num_seqs = block_tables.dimensions()[0];
   p.max_pages = block_tables.dimensions()[1];
   p.sm_scale = sm_scale;
+  p.sliding_window = sliding_window;
+  p.soft_cap = soft_cap;
+  if (sliding_window < 0 || !(soft_cap >= 0.0f))
+    return ffi::Error::InvalidArgument("ragged_paged_attention_native: sliding_window and soft_cap must be >= 0");
   if (kv_dims[3] != p.head_dim || p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads ||
       static_cast<int64_t>(segment_ids.element_count()) != num_tokens ||
       static_cast<int64_t>(positions.element_count()) != num_tokens ||
@@ -623,4 +655,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OrcaRaggedPagedAttention, RaggedPagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Ret<ffi::AnyBuffer>()  // out
-                                  .Attr<float>("sm_scale"));
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window")  // 0: none
+                                  .Attr<float>("soft_cap"));  // 0: none
