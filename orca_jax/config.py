@@ -28,7 +28,9 @@ def compilation_cache_dir() -> Path:
     return Path(os.environ.get("ORCA_JAX_COMPILATION_CACHE", str(REPO_ROOT / ".jax_cache")))
 
 Architecture = Literal["llama", "gpt2"]
-RopeScalingKind = Literal["llama3", "freq_factors"]
+RopeScalingKind = Literal["llama3", "freq_factors", "linear"]
+LayerType = Literal["sliding", "full"]
+MlpActivation = Literal["silu", "gelu_tanh"]
 DType = Literal["float32", "bfloat16", "float16"]
 KVCacheDType = Literal["auto", "float32", "bfloat16"]
 SchedulingPolicy = Literal["static", "orca", "paged", "chunked"]  # each a class in engine/scheduler.py's POLICIES
@@ -102,7 +104,20 @@ class ModelConfig:
     tie_word_embeddings: bool = True  # LM head shares the token embedding matrix
     # Llama-shape families differ from Llama in these switches (llama only):
     qkv_bias: bool = False  # biases on the q, k and v projections, none on the output (Qwen2, Qwen2.5)
-    qk_norm: bool = False  # an RMSNorm over each head's q and k before rotary (Qwen3)
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before rotary (Qwen3, Gemma 3)
+    # Sliding-window attention (Mistral, Gemma): a token sees the last `sliding_window` positions,
+    # its own included, on the layers `layer_types` marks "sliding" (all of them when it is None).
+    sliding_window: int | None = None  # tokens
+    layer_types: tuple[LayerType, ...] | None = None  # one per layer; None: every layer "sliding" if windowed
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3); None: rope_theta
+    # Gemma 2/3: GeGLU MLP, embeddings times sqrt(d_model), norms after attention and after the MLP as
+    # well as before, attention scaled by 1/sqrt(query_pre_attn_scalar), logits soft-capped.
+    mlp_activation: MlpActivation = "silu"  # "gelu_tanh": gate through tanh-approximated GELU
+    embed_scale: bool = False  # embeddings multiplied by sqrt(d_model)
+    post_norms: bool = False  # an RMSNorm on the attention's and on the MLP's output before the residual add
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this); None: 1/sqrt(head_dim)
+    attn_logit_softcap: float | None = None  # attention scores s -> cap * tanh(s / cap); None: off
+    final_logit_softcap: float | None = None  # LM-head logits l -> cap * tanh(l / cap); None: off
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     dtype: DType = "float32"  # parameters and activations; use float32 on CPU
@@ -136,6 +151,7 @@ class ModelConfig:
             f"ModelConfig {self.name!r}: qkv_bias and qk_norm are switches of the llama architecture; "
             "gpt2 has biases everywhere and no q/k norm",
         )
+        self._check_family_switches()
         self._check_rope_scaling()
         _require(self.norm_eps > 0, f"ModelConfig {self.name!r}: norm_eps must be > 0, got {self.norm_eps}")
         for token_name in ("bos_token_id", "eos_token_id"):
@@ -145,17 +161,45 @@ class ModelConfig:
                 f"ModelConfig {self.name!r}: {token_name}={token} is outside the vocabulary [0, {self.vocab_size})",
             )
 
+    def _check_family_switches(self) -> None:
+        _check_literal(self, "mlp_activation", typing.get_args(MlpActivation))
+        gemma_like = (self.sliding_window, self.layer_types, self.rope_local_theta, self.query_pre_attn_scalar,
+                      self.attn_logit_softcap, self.final_logit_softcap)
+        _require(self.architecture == "llama" or (all(v is None for v in gemma_like) and not self.embed_scale
+                                                  and not self.post_norms and self.mlp_activation == "silu"),
+                 f"ModelConfig {self.name!r}: sliding windows, soft caps and the Gemma switches belong to the "
+                 "llama architecture")
+        _require(self.sliding_window is None or self.sliding_window >= 1,
+                 f"ModelConfig {self.name!r}: sliding_window must be >= 1 token or absent, got {self.sliding_window}")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))  # TOML gives a list
+            _require(len(self.layer_types) == self.n_layers and set(self.layer_types) <= {"sliding", "full"},
+                     f"ModelConfig {self.name!r}: layer_types needs one of 'sliding'/'full' per layer "
+                     f"({self.n_layers}), got {list(self.layer_types)}")
+            _require(self.sliding_window is not None or "sliding" not in self.layer_types,
+                     f"ModelConfig {self.name!r}: layer_types has sliding layers but sliding_window is not set")
+        for name in ("rope_local_theta", "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"ModelConfig {self.name!r}: {name} must be > 0 or absent, got {value}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` in tokens, or None where it attends to everything."""
+        if self.sliding_window is None or (self.layer_types is not None and self.layer_types[layer] == "full"):
+            return None
+        return self.sliding_window
+
     def _check_rope_scaling(self) -> None:
         llama3_fields = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                          "rope_original_max_position")
-        fields_of = {None: (), "llama3": llama3_fields, "freq_factors": ("rope_freq_factors",)}
+        fields_of = {None: (), "llama3": llama3_fields, "freq_factors": ("rope_freq_factors",),
+                     "linear": ("rope_scaling_factor",)}
         _require(self.rope_scaling in fields_of,
                  f"ModelConfig {self.name!r}: rope_scaling={self.rope_scaling!r}; the supported ones are "
-                 "'llama3' and 'freq_factors'")
+                 "'llama3', 'freq_factors' and 'linear'")
         needed = fields_of[self.rope_scaling]
         stray = [f for f in llama3_fields + ("rope_freq_factors",) if f not in needed and getattr(self, f) is not None]
         _require(not stray, f"ModelConfig {self.name!r}: {stray} are set but rope_scaling is {self.rope_scaling!r}; "
-                            "set the rope_scaling they belong to ('llama3' or 'freq_factors') or remove them")
+                            "set the rope_scaling they belong to or remove them")
         if self.rope_scaling is None:
             return
         _require(self.architecture == "llama", f"ModelConfig {self.name!r}: rope_scaling needs architecture 'llama'")
@@ -166,6 +210,9 @@ class ModelConfig:
             _require(len(factors) == self.head_dim // 2 and all(f > 0 for f in factors),
                      f"ModelConfig {self.name!r}: rope_freq_factors needs head_dim / 2 = {self.head_dim // 2} "
                      f"positive factors, got {len(factors)}")
+            return
+        if self.rope_scaling == "linear":
+            _require(self.rope_scaling_factor > 0, f"ModelConfig {self.name!r}: rope_scaling_factor must be > 0")
             return
         _require(self.rope_scaling_factor > 0 and self.rope_original_max_position > 0,
                  f"ModelConfig {self.name!r}: rope_scaling_factor and rope_original_max_position must be > 0")
@@ -317,8 +364,9 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
         if typing.get_origin(kind) is Literal and isinstance(value, str):
             return value  # as above: the dataclass names the choices
         if typing.get_origin(kind) is tuple and isinstance(value, list):
-            # A TOML array; tuples keep the frozen dataclass hashable. Only tuple[float, ...] exists.
-            return tuple(_check_type(item, float, f"{where}[{i}]") for i, item in enumerate(value))
+            # A TOML array; tuples keep the frozen dataclass hashable. tuple[float, ...] or of a Literal.
+            item_hint = typing.get_args(kind)[0]
+            return tuple(_check_type(item, item_hint, f"{where}[{i}]") for i, item in enumerate(value))
         if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         if kind in (int, str, bool) and type(value) is kind:
@@ -362,8 +410,8 @@ def model_config_to_toml(config: ModelConfig) -> str:
             text = "true" if value else "false"
         elif isinstance(value, str):
             text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        elif isinstance(value, tuple):
-            text = "[" + ", ".join(repr(float(item)) for item in value) + "]"
+        elif isinstance(value, tuple):  # float factors, or layer types (strings without quotes to escape)
+            text = "[" + ", ".join(f'"{item}"' if isinstance(item, str) else repr(float(item)) for item in value) + "]"
         else:
             text = repr(value)
         lines.append(f"{f.name} = {text}")

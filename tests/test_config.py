@@ -115,7 +115,7 @@ def test_rope_scaling_round_trips_through_toml_and_is_validated(tmp_path):
     assert load_toml(ModelConfig, path) == config
     assert load_toml(ModelConfig, path).rope_original_max_position == 64
     tiny = load_model_preset("tiny")
-    with pytest.raises(ConfigError, match="supported ones are 'llama3' and 'freq_factors'"):
+    with pytest.raises(ConfigError, match="supported ones are 'llama3', 'freq_factors' and 'linear'"):
         dataclasses.replace(tiny, **(LLAMA3_SCALING | {"rope_scaling": "yarn"}))
     with pytest.raises(ConfigError, match="needs \\['rope_original_max_position'\\]"):
         dataclasses.replace(tiny, **(LLAMA3_SCALING | {"rope_original_max_position": None}))

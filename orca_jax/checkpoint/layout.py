@@ -50,6 +50,9 @@ def to_decoder_params(config: ModelConfig, tensors: dict[str, np.ndarray]) -> di
         src, dest = f"blk.{i}", f"layers.{i}"
         norm(f"{dest}.attn_norm", f"{src}.attn_norm")
         norm(f"{dest}.mlp_norm", f"{src}.ffn_norm")
+        if config.post_norms:
+            norm(f"{dest}.post_attn_norm", f"{src}.post_attention_norm")
+            norm(f"{dest}.post_mlp_norm", f"{src}.post_ffw_norm")
         if gpt2:
             qkv = take(f"{src}.attn_qkv.weight")  # [3 * H * Dh, D]
             qkv_bias = take(f"{src}.attn_qkv.bias")

@@ -85,11 +85,16 @@ class Attention(nnx.Module):
         rope_scaling: RopeScaling | None = None,
         qkv_bias: bool = False,
         qk_norm_eps: float | None = None,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+        sm_scale: float | None = None,
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
     ):
         """`use_bias`: biases on every projection (GPT-2); `qkv_bias`: on q, k, v only (Qwen2);
-        `qk_norm_eps`: RMSNorm each head's q and k over Dh with this eps before rotary (Qwen3)."""
+        `qk_norm_eps`: RMSNorm each head's q and k over Dh with this eps before rotary (Qwen3);
+        `sliding_window` (tokens), `soft_cap`: the kernel contract's optional terms (Mistral, Gemma);
+        `sm_scale`: the score scale, 1/sqrt(head_dim) unless given."""
         def proj(heads: int, axis: str) -> Dense:
             return Dense((d_model,), (heads, head_dim), ("embed",), (axis, "head_dim"),
                          use_bias=use_bias or qkv_bias, dtype=dtype, rngs=rngs)
@@ -103,7 +108,10 @@ class Attention(nnx.Module):
         self.k_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps, dtype)
         self.rope_theta = rope_theta  # None: positions come from a learned embedding instead
         self.rope_scaling = rope_scaling
-        self.sm_scale = 1.0 / math.sqrt(head_dim)
+        self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+        # Passed only when set, so an implementation without them still serves models that need neither.
+        self.options = {name: value for name, value in (("sliding_window", sliding_window), ("soft_cap", soft_cap))
+                        if value is not None}
 
     def __call__(
         self, x: Float[Array, "T D"], meta: AttentionMetadata, kv: KVCache | None = None,
@@ -116,6 +124,6 @@ class Attention(nnx.Module):
             q = apply_rope(q, meta.positions, self.rope_theta, self.rope_scaling)
             k = apply_rope(k, meta.positions, self.rope_theta, self.rope_scaling)
         if kv is None:
-            return self.o(attend(q, k, v, meta, self.sm_scale)), None
-        out, kv = attention(q, k, v, kv, meta, sm_scale=self.sm_scale)
+            return self.o(attend(q, k, v, meta, self.sm_scale, **self.options)), None
+        out, kv = attention(q, k, v, kv, meta, sm_scale=self.sm_scale, **self.options)
         return self.o(out), kv

@@ -19,27 +19,42 @@ LOGICAL_AXES = ("vocab", "embed", "positions", "q_heads", "kv_heads", "head_dim"
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, index: int, dtype: jnp.dtype, rngs: nnx.Rngs):
         llama = config.architecture == "llama"
         norm = RMSNorm if llama else LayerNorm
+        window = config.layer_window(index)
+        # Gemma 3's sliding layers rotate with their own base and no scaling; every other layer with
+        # the model's.
+        local_rope = window is not None and config.rope_local_theta is not None
         self.attn_norm = norm(config.d_model, config.norm_eps, dtype)
         self.attn = Attention(
             config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
-            use_bias=not llama, rope_theta=config.rope_theta if llama else None,
-            rope_scaling=rope_scaling_of(config), qkv_bias=config.qkv_bias,
-            qk_norm_eps=config.norm_eps if config.qk_norm else None, dtype=dtype, rngs=rngs,
+            use_bias=not llama, rope_theta=(config.rope_local_theta if local_rope else config.rope_theta) if llama else None,
+            rope_scaling=None if local_rope else rope_scaling_of(config), qkv_bias=config.qkv_bias,
+            qk_norm_eps=config.norm_eps if config.qk_norm else None, sliding_window=window,
+            soft_cap=config.attn_logit_softcap,
+            sm_scale=None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5,
+            dtype=dtype, rngs=rngs,
         )
         self.mlp_norm = norm(config.d_model, config.norm_eps, dtype)
-        mlp = SwiGLU if llama else GeluMLP
-        self.mlp = mlp(config.d_model, config.d_ff, dtype, rngs)
+        self.mlp = SwiGLU(config.d_model, config.d_ff, dtype, rngs, config.mlp_activation) if llama else \
+            GeluMLP(config.d_model, config.d_ff, dtype, rngs)
+        # Gemma 2/3 also norm each sublayer's output before adding it to the residual stream.
+        self.post_attn_norm = RMSNorm(config.d_model, config.norm_eps, dtype) if config.post_norms else None
+        self.post_mlp_norm = RMSNorm(config.d_model, config.norm_eps, dtype) if config.post_norms else None
 
     def __call__(
         self, x: Float[Array, "T D"], meta: AttentionMetadata, kv: KVCache | None = None,
         attention: PagedAttention = paged_attention,
     ) -> tuple[Float[Array, "T D"], KVCache | None]:
         attn_out, kv = self.attn(self.attn_norm(x), meta, kv, attention)
+        if self.post_attn_norm is not None:
+            attn_out = self.post_attn_norm(attn_out)
         x = x + attn_out
-        return x + self.mlp(self.mlp_norm(x)), kv
+        mlp_out = self.mlp(self.mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            mlp_out = self.post_mlp_norm(mlp_out)
+        return x + mlp_out, kv
 
 
 class Decoder(nnx.Module):
@@ -58,7 +73,7 @@ class Decoder(nnx.Module):
             if config.architecture == "gpt2"
             else None
         )
-        self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.n_layers)])
+        self.layers = nnx.List([DecoderLayer(config, i, dtype, rngs) for i in range(config.n_layers)])
         norm = RMSNorm if config.architecture == "llama" else LayerNorm
         self.final_norm = norm(config.d_model, config.norm_eps, dtype)
         self.lm_head = (
@@ -91,9 +106,10 @@ class Decoder(nnx.Module):
         """The whole model in one call: with `kv_caches` (one (k_pages, v_pages) per layer) the new
         tokens' K/V are written and attention reads the cache; returns the updated caches. The
         engine runs the same computation as `DecoderStage`s (one, or one per pipeline stage)."""
-        x = embed_tokens(self.embed, self.pos_embed, token_ids, meta.positions)
+        x = embed_tokens(self.embed, self.pos_embed, token_ids, meta.positions, self.config)
         x, kv_caches = run_layers(self.layers, x, meta, kv_caches, attention)
-        return project_logits(self.final_norm, self.embed if self.lm_head is None else self.lm_head, x, logits_index), kv_caches
+        head = self.embed if self.lm_head is None else self.lm_head
+        return project_logits(self.final_norm, head, x, logits_index, self.config.final_logit_softcap), kv_caches
 
 
 class DecoderStage(nnx.Module):
@@ -107,6 +123,7 @@ class DecoderStage(nnx.Module):
 
     def __init__(self, decoder: Decoder, layers: range, *, first: bool, last: bool):
         self.first, self.last = first, last
+        self.config = decoder.config
         self.embed = decoder.embed if first else None
         self.pos_embed = decoder.pos_embed if first else None
         self.layers = nnx.List([decoder.layers[i] for i in layers])
@@ -124,19 +141,21 @@ class DecoderStage(nnx.Module):
         """`inputs`: token ids for the first stage, the previous stage's activations otherwise.
         Returns activations [T, D] for the next stage, or, from the last stage, the activations of
         the tokens named by `logits_index` [S, D], for `logits`."""
-        x = embed_tokens(self.embed, self.pos_embed, inputs, meta.positions) if self.first else inputs
+        x = embed_tokens(self.embed, self.pos_embed, inputs, meta.positions, self.config) if self.first else inputs
         x, kv_caches = run_layers(self.layers, x, meta, kv_caches, attention)
         return (x[logits_index] if self.last else x), kv_caches
 
     def logits(self, x: Float[Array, "S D"]) -> Float[Array, "S V"]:
         """The last stage's final norm and LM head, apart from the layers: the runner compiles this
         per sequence bucket and the layers per token bucket only."""
-        return project_logits(self.final_norm, self.head, x, None)
+        return project_logits(self.final_norm, self.head, x, None, self.config.final_logit_softcap)
 
 
 def embed_tokens(embed: Embed, pos_embed: Embed | None, token_ids: Int[Array, " T"],
-                 positions: Int[Array, " T"]) -> Float[Array, "T D"]:
+                 positions: Int[Array, " T"], config: ModelConfig) -> Float[Array, "T D"]:
     x = embed(token_ids)
+    if config.embed_scale:  # Gemma; the factor rounded to the activations' dtype, as Gemma does
+        x = x * jnp.asarray(config.d_model ** 0.5, x.dtype)
     return x if pos_embed is None else x + pos_embed(positions)
 
 
@@ -149,13 +168,14 @@ def run_layers(layers, x: Float[Array, "T D"], meta: AttentionMetadata, kv_cache
     return x, (None if kv_caches is None else new_caches)
 
 
-def project_logits(final_norm, head: Embed, x: Float[Array, "T D"],
-                   logits_index: Int[Array, " S"] | None) -> Float[Array, "T V"] | Float[Array, "S V"]:
+def project_logits(final_norm, head: Embed, x: Float[Array, "T D"], logits_index: Int[Array, " S"] | None,
+                   soft_cap: float | None = None) -> Float[Array, "T V"] | Float[Array, "S V"]:
     """Float32 logits at every token, or only at `logits_index` (each sequence's last token when
-    generating, which skips most of the LM head)."""
+    generating, which skips most of the LM head); soft-capped (cap * tanh(l / cap)) if asked (Gemma 2)."""
     if logits_index is not None:
         x = x[logits_index]  # [S, D]
-    return head.attend(final_norm(x)).astype(jnp.float32)
+    logits = head.attend(final_norm(x)).astype(jnp.float32)
+    return logits if soft_cap is None else soft_cap * jnp.tanh(logits / soft_cap)
 
 
 def init_decoder(config: ModelConfig, seed: int = 0) -> Decoder:

@@ -85,16 +85,20 @@ class Embed(nnx.Module):
         return jnp.einsum("td,vd->tv", x, self.embedding[...])
 
 
-class SwiGLU(nnx.Module):
-    """Llama MLP: down(silu(gate(x)) * up(x))."""
+GATE_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
-    def __init__(self, d_model: int, d_ff: int, dtype: jnp.dtype, rngs: nnx.Rngs):
+
+class SwiGLU(nnx.Module):
+    """Llama MLP: down(silu(gate(x)) * up(x)); with activation "gelu_tanh" it is Gemma's GeGLU."""
+
+    def __init__(self, d_model: int, d_ff: int, dtype: jnp.dtype, rngs: nnx.Rngs, activation: str = "silu"):
+        self.activation = activation
         self.gate = Dense((d_model,), (d_ff,), ("embed",), ("mlp",), use_bias=False, dtype=dtype, rngs=rngs)
         self.up = Dense((d_model,), (d_ff,), ("embed",), ("mlp",), use_bias=False, dtype=dtype, rngs=rngs)
         self.down = Dense((d_ff,), (d_model,), ("mlp",), ("embed",), use_bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        return self.down(GATE_ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
 
 
 class GeluMLP(nnx.Module):

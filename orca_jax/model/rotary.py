@@ -46,7 +46,15 @@ class FrequencyFactors:
         return inv_freq / jnp.asarray(self.factors, jnp.float32)
 
 
-RopeScaling = Llama3Scaling | FrequencyFactors
+@dataclasses.dataclass(frozen=True)
+class LinearScaling:
+    factor: float  # positions are divided by it (HF rope_type "linear", Gemma 3's global layers)
+
+    def scale(self, inv_freq: Float[Array, " Dh/2"]) -> Float[Array, " Dh/2"]:
+        return inv_freq / self.factor
+
+
+RopeScaling = Llama3Scaling | FrequencyFactors | LinearScaling
 
 
 def rope_scaling_of(config: ModelConfig) -> RopeScaling | None:
@@ -55,6 +63,8 @@ def rope_scaling_of(config: ModelConfig) -> RopeScaling | None:
                              config.rope_original_max_position)
     if config.rope_scaling == "freq_factors":
         return FrequencyFactors(config.rope_freq_factors)
+    if config.rope_scaling == "linear":
+        return LinearScaling(config.rope_scaling_factor)
     return None
 
 

@@ -17,7 +17,7 @@ from orca_jax.sampling_params import SamplingParams
 from tests.engine.conftest import make_engine, run_all
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf_families"
-FAMILIES = ["qwen2", "qwen3", "phi3"]
+FAMILIES = ["qwen2", "qwen3", "phi3", "mistral", "gemma2", "gemma3_text"]
 POLICIES = ["static", "orca", "paged", "chunked"]
 LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=64)
 
@@ -78,7 +78,7 @@ def test_greedy_continuations_match_transformers_batched_and_alone(family_model,
 
 
 @pytest.mark.parametrize("change, named", [
-    ({"model_type": "mamba"}, "model_type 'mamba' is not supported; supported: llama, qwen2, qwen3, phi3, gpt2"),
+    ({"model_type": "mamba"}, "model_type 'mamba' is not supported; supported: llama, qwen2, qwen3, phi3, mistral, gemma2, gemma3_text, gpt2"),
     ({"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window=True"),
     ({"sliding_window": 64}, "sliding_window=64"),  # on the phi3 fixture, which has no use_sliding_window
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
@@ -110,3 +110,46 @@ def test_a_sliding_window_as_long_as_the_context_is_accepted(tmp_path):
     config = json.loads((folder / "config.json").read_text()) | {"sliding_window": 256}
     (folder / "config.json").write_text(json.dumps(config))
     assert load_model(convert(folder, "accepted", tmp_path / "out")).config.n_layers == 2
+
+
+@pytest.mark.parametrize("family, tp, pp", [("qwen2", 2, 1), ("gemma3_text", 1, 2)])
+def test_tensor_and_pipeline_parallel_give_transformers_tokens(tmp_path, family, tp, pp):
+    """Biases sharded with their heads (qwen2 at tp 2); sliding and global layers on different
+    pipeline stages (gemma3: 3 layers over 2 stages)."""
+    from orca_jax.config import ParallelConfig
+    from orca_jax.engine.step_plan import Buckets
+    from orca_jax.runner.model_runner import ModelRunner
+
+    loaded = load_model(convert(FIXTURES / family, f"hf-{family}", tmp_path / "checkpoint"))
+    runner = ModelRunner(loaded.model, num_pages=64, page_size=16, max_model_len=128,
+                         buckets=Buckets(tokens=(64,), seqs=(4,)), attention_impl="auto",
+                         parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+    runner.warm_up(show_progress=False)
+    cases = reference(family)
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    outputs = run_all(make_engine(runner, loaded, "chunked", **LIMITS), [(p.tolist(), greedy) for p, _, _ in cases])
+    assert [o.outputs[0].token_ids for o in outputs] == [g.tolist() for _, _, g in cases]
+
+
+def test_family_switches_round_trip_and_are_validated(tmp_path):
+    import dataclasses
+
+    from orca_jax.config import ConfigError, ModelConfig, load_model_preset, load_toml, model_config_to_toml
+
+    gemma3 = load_model(convert(FIXTURES / "gemma3_text", "g3", tmp_path / "checkpoint")).config
+    assert gemma3.layer_types == ("sliding", "sliding", "full") and gemma3.rope_local_theta == 1e4
+    assert (gemma3.rope_scaling, gemma3.rope_scaling_factor, gemma3.rope_theta) == ("linear", 4.0, 1e6)
+    (tmp_path / "m.toml").write_text(model_config_to_toml(gemma3))
+    assert load_toml(ModelConfig, tmp_path / "m.toml") == gemma3
+    tiny = load_model_preset("tiny")
+    for change, message in [
+        (dict(sliding_window=4, layer_types=("sliding",)), "one of 'sliding'/'full' per layer"),
+        (dict(layer_types=("sliding", "full")), "sliding layers but sliding_window is not set"),
+        (dict(sliding_window=0), "sliding_window must be >= 1"),
+        (dict(attn_logit_softcap=-1.0), "attn_logit_softcap must be > 0"),
+        (dict(mlp_activation="relu"), "mlp_activation"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            dataclasses.replace(tiny, **change)
+    with pytest.raises(ConfigError, match="belong to the llama architecture"):
+        dataclasses.replace(load_model_preset("tiny-gpt"), sliding_window=4)

@@ -249,12 +249,25 @@ def test_hf_llama3_rope_scaling_reaches_the_model(tmp_path):
     np.testing.assert_allclose(far, logits_at(direct, ids, 1000), atol=1e-5)
 
 
-@pytest.mark.parametrize("rope_scaling", [{"rope_type": "linear", "factor": 2.0}, {"type": "yarn", "factor": 4.0}])
+@pytest.mark.parametrize("rope_scaling", [{"rope_type": "dynamic", "factor": 2.0}, {"type": "yarn", "factor": 4.0}])
 def test_other_rope_scaling_kinds_are_refused(tmp_path, rope_scaling):
     config = load_model_preset("tiny")
     write_hf_llama_folder(tmp_path / "hf", config, init_decoder(config, seed=1), rope_scaling=rope_scaling)
-    with pytest.raises(ValueError, match="is not supported; the supported one is 'llama3'"):
+    with pytest.raises(ValueError, match="is not supported; the supported ones are 'llama3' .* and 'linear'"):
         convert(tmp_path / "hf", "m", tmp_path / "out")
+
+
+def test_linear_rope_scaling_divides_positions(tmp_path):
+    config = load_model_preset("tiny")
+    model = init_decoder(config, seed=1)
+    write_hf_llama_folder(tmp_path / "hf", config, model, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    scaled = load_model(convert(tmp_path / "hf", "m", tmp_path / "out"))
+    assert (scaled.config.rope_scaling, scaled.config.rope_scaling_factor) == ("linear", 4.0)
+    # Positions divided by the factor: tokens at 0, 8, 20 scaled are tokens at 0, 2, 5 unscaled.
+    ids, segments = jnp.asarray([3, 5, 7]), jnp.zeros(3, jnp.int32)
+    scaled_logits = np.asarray(scaled.model(ids, jnp.asarray([0, 8, 20]), segments))
+    np.testing.assert_allclose(scaled_logits, np.asarray(model(ids, jnp.asarray([0, 2, 5]), segments)), atol=1e-5)
+    assert np.abs(scaled_logits - np.asarray(model(ids, jnp.asarray([0, 8, 20]), segments))).max() > 1e-3
 
 
 def llama_cpp_rope_freqs(head_dim, theta, rope_scaling):
