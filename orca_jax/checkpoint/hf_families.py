@@ -5,7 +5,7 @@ asks for, and what import must do to its tensors.
     llama         the base: RoPE, RMSNorm, SwiGLU, GQA, no biases
     qwen2         + q/k/v biases (Qwen2, Qwen2.5)
     qwen3         + RMSNorm over each head's q and k before rotary, no biases
-    phi3          q/k/v and gate/up fused in one matrix each: split here
+    phi3          q/k/v and gate/up fused in one matrix each: split here; sliding window on every layer
     mistral       + sliding-window attention on every layer
     gemma2        GeGLU, embeddings x sqrt(d), norms after attention and MLP too, RMSNorm as x * (1 + w),
                   1/sqrt(query_pre_attn_scalar) scaling, attention and final logits soft-capped,
@@ -63,7 +63,7 @@ NAMES = {"llama": LLAMA_NAMES, "qwen2": QWEN2_NAMES, "qwen3": LLAMA_NAMES | QK_N
          "mistral": LLAMA_NAMES, "gemma2": GEMMA_NAMES, "gemma3_text": GEMMA_NAMES | QK_NORM_NAMES}
 LLAMA_SHAPE_FAMILIES = tuple(NAMES)
 GEMMA = ("gemma2", "gemma3_text")
-WINDOWED = ("mistral", *GEMMA)  # the families whose sliding windows the decoder implements
+WINDOWED = ("mistral", "phi3", *GEMMA)  # the families whose sliding windows the decoder implements
 
 
 def llama_shape_config(c: dict, model_type: str, name: str, config_file: Path) -> ModelConfig:
@@ -191,7 +191,7 @@ def _refuse_unsupported_fields(c: dict, model_type: str, config_file: Path) -> N
         "use_sliding_window": (bool(c.get("use_sliding_window")) and model_type not in WINDOWED,
                                "sliding-window attention"),
         "partial_rotary_factor": (rope.get("partial_rotary_factor", 1.0) != 1.0, "rotary on part of each head"),
-        # A window as long as the context never cuts anything off (Phi-3 mini 4k: 2047 of 4096 does).
+        # A window as long as the context never cuts anything off.
         "sliding_window": (model_type not in WINDOWED and window < c["max_position_embeddings"]
                            and c.get("use_sliding_window", True), "sliding-window attention"),
         "use_bidirectional_attention": (bool(c.get("use_bidirectional_attention")), "bidirectional attention"),

@@ -80,7 +80,7 @@ def test_greedy_continuations_match_transformers_batched_and_alone(family_model,
 @pytest.mark.parametrize("change, named", [
     ({"model_type": "mamba"}, "model_type 'mamba' is not supported; supported: llama, qwen2, qwen3, phi3, mistral, gemma2, gemma3_text, gpt2"),
     ({"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window=True"),
-    ({"sliding_window": 64}, "sliding_window=64"),  # on the phi3 fixture, which has no use_sliding_window
+    ({"model_type": "llama", "sliding_window": 64}, "sliding_window=64"),  # phi3's folder: no use_sliding_window
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"attention_bias": True}, "attention_bias=True"),
     ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "default", "partial_rotary_factor": 0.5}},
@@ -92,24 +92,26 @@ def test_unsupported_families_and_fields_are_refused_by_name(tmp_path, change, n
     import shutil
 
     folder = tmp_path / "hf"
-    shutil.copytree(FIXTURES / ("phi3" if change == {"sliding_window": 64} else "qwen2"), folder)
+    shutil.copytree(FIXTURES / ("phi3" if change.get("model_type") == "llama" else "qwen2"), folder)
     config = json.loads((folder / "config.json").read_text()) | change
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
         convert(folder, "refused", tmp_path / "out")
 
 
-def test_a_sliding_window_as_long_as_the_context_is_accepted(tmp_path):
-    """Real Qwen2.5 configs carry sliding_window = 131072 (>= their context) with use_sliding_window
-    false; such a window cuts nothing off."""
+@pytest.mark.parametrize("family, change, window", [
+    ("qwen2", {"sliding_window": 64, "use_sliding_window": False}, None),  # Qwen2.5's configs: window off
+    ("phi3", {"sliding_window": 2047, "max_position_embeddings": 4096}, 2047),  # Phi-3 mini 4k's window
+])
+def test_windows_a_family_turns_off_or_has_are_accepted(tmp_path, family, change, window):
     import json
     import shutil
 
     folder = tmp_path / "hf"
-    shutil.copytree(FIXTURES / "phi3", folder)
-    config = json.loads((folder / "config.json").read_text()) | {"sliding_window": 256}
+    shutil.copytree(FIXTURES / family, folder)
+    config = json.loads((folder / "config.json").read_text()) | change
     (folder / "config.json").write_text(json.dumps(config))
-    assert load_model(convert(folder, "accepted", tmp_path / "out")).config.n_layers == 2
+    assert load_model(convert(folder, "accepted", tmp_path / "out")).config.sliding_window == window
 
 
 @pytest.mark.parametrize("family, tp, pp", [("qwen2", 2, 1), ("gemma3_text", 1, 2)])
