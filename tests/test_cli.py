@@ -142,7 +142,7 @@ def test_convert_of_a_missing_unreadable_or_unsupported_source_is_one_error_line
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     assert_one_error_line(orca_jax("convert", str(tmp_path / "hf"), *out), "model_type 'mamba' is not supported",
-                          "llama, gpt2")
+                          "llama, qwen2, qwen3, phi3, mistral, gemma2, gemma3_text, gpt2")
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert_one_error_line(orca_jax("convert", str(tmp_path / "hf"), *out), "lacks the key 'vocab_size'")
     import gguf

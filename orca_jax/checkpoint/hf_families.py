@@ -183,7 +183,8 @@ def _refuse_unsupported_fields(c: dict, model_type: str, config_file: Path) -> N
     gemma = model_type in GEMMA
     activation_key = "hidden_activation" if gemma else "hidden_act"
     activation = "gelu_pytorch_tanh" if gemma else "silu"
-    window = c.get("sliding_window") or c["max_position_embeddings"]
+    context = c.get("max_position_embeddings", 0)  # (missing: the config's construction names it)
+    window = c.get("sliding_window") or context
     unsupported = {
         activation_key: (c.get(activation_key, activation) != activation, f"the MLP must gate with {activation}"),
         "attention_bias": (bool(c.get("attention_bias")), "biases on the attention projections"),
@@ -192,7 +193,7 @@ def _refuse_unsupported_fields(c: dict, model_type: str, config_file: Path) -> N
                                "sliding-window attention"),
         "partial_rotary_factor": (rope.get("partial_rotary_factor", 1.0) != 1.0, "rotary on part of each head"),
         # A window as long as the context never cuts anything off.
-        "sliding_window": (model_type not in WINDOWED and window < c["max_position_embeddings"]
+        "sliding_window": (model_type not in WINDOWED and window < context
                            and c.get("use_sliding_window", True), "sliding-window attention"),
         "use_bidirectional_attention": (bool(c.get("use_bidirectional_attention")), "bidirectional attention"),
     }

@@ -26,10 +26,11 @@ class DecoderLayer(nnx.Module):
         # Gemma 3's sliding layers rotate with their own base and no scaling; every other layer with
         # the model's.
         local_rope = window is not None and config.rope_local_theta is not None
+        rope_theta = config.rope_local_theta if local_rope else config.rope_theta
         self.attn_norm = norm(config.d_model, config.norm_eps, dtype)
         self.attn = Attention(
             config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
-            use_bias=not llama, rope_theta=(config.rope_local_theta if local_rope else config.rope_theta) if llama else None,
+            use_bias=not llama, rope_theta=rope_theta if llama else None,
             rope_scaling=None if local_rope else rope_scaling_of(config), qkv_bias=config.qkv_bias,
             qk_norm_eps=config.norm_eps if config.qk_norm else None, sliding_window=window,
             soft_cap=config.attn_logit_softcap,
