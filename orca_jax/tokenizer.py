@@ -13,7 +13,7 @@ from typing import Sequence
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 # Used when a checkpoint has no template of its own: plain ChatML, no default system prompt.
 CHATML_TEMPLATE = (
@@ -135,20 +135,24 @@ def byte_level_bpe(
     merges: Sequence[str],
     special_token_ids: Sequence[int],
     split_digits: bool,
+    split_regex: str | None = None,
 ) -> HFTokenizer:
     """A GPT-2 style byte-level BPE tokenizer from a vocabulary and "a b" merge lines.
 
-    `split_digits` puts every digit in its own pre-token first (SmolLM2's pre-tokenizer).
+    `split_digits` puts every digit in its own pre-token first (SmolLM2's pre-tokenizer);
+    `split_regex` splits by that pattern instead of GPT-2's (Llama 3, Qwen2: as their tokenizer.json).
     """
     vocab = {token: i for i, token in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    hf.pre_tokenizer = (
-        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        if split_digits
-        else byte_level
-    )
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split_regex is None)
+    if split_regex is not None:
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split_regex), behavior="isolated", invert=False), byte_level])
+    elif split_digits:
+        hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        hf.pre_tokenizer = byte_level
     hf.decoder = decoders.ByteLevel()
     hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special_token_ids])
     return hf

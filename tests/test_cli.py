@@ -153,7 +153,7 @@ def test_convert_of_a_missing_unreadable_or_unsupported_source_is_one_error_line
     writer.write_tensors_to_file()
     writer.close()
     assert_one_error_line(orca_jax("convert", str(tmp_path / "mamba.gguf"), *out),
-                          "architecture 'mamba' is not supported", "['llama', 'gpt2']")
+                          "architecture 'mamba' is not supported", "['llama', 'gpt2', 'qwen2', 'qwen3', 'phi3', 'gemma2', 'gemma3']")
     assert not (tmp_path / "out").exists()
 
 

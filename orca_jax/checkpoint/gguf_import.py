@@ -1,5 +1,12 @@
 """Import a GGUF file (llama.cpp's format): model config, dequantized weights, tokenizer.
 
+Architectures: llama (Llama, Mistral, SmolLM2, ...), gpt2, and the families of
+checkpoint/hf_families.py as llama.cpp's converter writes them: qwen2, qwen3, phi3 (fused qkv and
+gate/up, split here), gemma2 and gemma3 (norm weights already hold Gemma's 1 + w). What llama.cpp
+keeps in code rather than in the file is filled in as it does: Gemma's attention scale
+(1/sqrt(head_dim), 1/sqrt(d_model / heads) for the 27B models), its sliding layers (every other one
+in Gemma 2; five of every six in Gemma 3) and Gemma 3's local RoPE base (10000).
+
 Quantized weights are dequantized to float32; a file whose weight matrices are all F16 (or all
 BF16) keeps that dtype, as the HF import does. Llama 3.x files carry their RoPE scaling as a
 `rope_freqs` tensor (one divisor per rotary pair, computed by llama.cpp's converter from the HF
@@ -13,16 +20,25 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from orca_jax.checkpoint.hf_families import split_fused_phi3
 from orca_jax.checkpoint.layout import to_decoder_params
 from orca_jax.config import ModelConfig
 from orca_jax.tokenizer import Tokenizer, byte_level_bpe
 
-SUPPORTED_ARCHITECTURES = ("llama", "gpt2")
+SUPPORTED_ARCHITECTURES = ("llama", "gpt2", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp tells the 27B models by their depth
 ROPE_FREQS = "rope_freqs.weight"
 # Weight types kept as they are; every other type is dequantized to float32.
 KEPT_TYPES = {gguf.GGMLQuantizationType.F16: "float16", gguf.GGMLQuantizationType.BF16: "bfloat16"}
 # llama.cpp pre-tokenizer names that are byte-level BPE with digits split one by one first.
 SPLIT_DIGIT_PRE_TOKENIZERS = ("smollm",)
+# Pre-tokenizers that split by a regex before byte-level BPE (llama.cpp's names); as in the models'
+# own tokenizer.json: Llama 3 groups up to three digits, Qwen2 takes digits one by one.
+_REGEX_HEAD = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+_REGEX_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+REGEX_PRE_TOKENIZERS = {"llama-bpe": _REGEX_HEAD + r"\p{N}{1,3}" + _REGEX_TAIL,
+                        "qwen2": _REGEX_HEAD + r"\p{N}" + _REGEX_TAIL}
 PLAIN_BYTE_LEVEL_PRE_TOKENIZERS = ("gpt2", "default")
 
 
@@ -63,10 +79,10 @@ def read_gguf(path: str | Path, name: str) -> tuple[ModelConfig, dict[str, np.nd
     head_dim = d_model // n_heads
     tensor_names = {t.name for t in reader.tensors}
     vocab_size = len(tokens) if tokens is not None else int(meta("vocab_size"))
-    eps_key = "attention.layer_norm_rms_epsilon" if arch == "llama" else "attention.layer_norm_epsilon"
+    eps_key = "attention.layer_norm_epsilon" if arch == "gpt2" else "attention.layer_norm_rms_epsilon"
     config = ModelConfig(
         name=name,
-        architecture=arch,
+        architecture="gpt2" if arch == "gpt2" else "llama",
         vocab_size=vocab_size,
         d_model=d_model,
         n_layers=int(meta("block_count")),
@@ -83,6 +99,7 @@ def read_gguf(path: str | Path, name: str) -> tuple[ModelConfig, dict[str, np.nd
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         dtype=_weights_dtype(reader),
+        **_family_switches(reader, arch, n_heads, d_model),
     )
     tensors = {}
     for tensor in reader.tensors:
@@ -95,9 +112,46 @@ def read_gguf(path: str | Path, name: str) -> tuple[ModelConfig, dict[str, np.nd
         for i in range(config.n_layers):
             tensors[f"blk.{i}.attn_q.weight"] = unpermute_llama_qk(tensors[f"blk.{i}.attn_q.weight"], config.n_heads)
             tensors[f"blk.{i}.attn_k.weight"] = unpermute_llama_qk(tensors[f"blk.{i}.attn_k.weight"], config.n_kv_heads)
+    if arch == "phi3":  # llama.cpp keeps Phi-3's [gate; up] rows as one ffn_up
+        for i in range(config.n_layers):
+            tensors[f"blk.{i}.ffn_gate_up.weight"] = tensors.pop(f"blk.{i}.ffn_up.weight")
+        split_fused_phi3(tensors, config)
     params = to_decoder_params(config, tensors)
     tokenizer = _tokenizer(reader, path, config) if tokens is not None else None
     return config, params, tokenizer
+
+
+def _family_switches(reader: gguf.GGUFReader, arch: str, n_heads: int, d_model: int) -> dict:
+    """ModelConfig's family switches (checkpoint/hf_families.py) from the file's metadata and, for
+    what llama.cpp keeps in code, from llama.cpp's rules."""
+    n_layers = int(_field(reader, f"{arch}.block_count"))
+    context = int(_field(reader, f"{arch}.context_length"))
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    switches: dict = {}
+    if arch == "qwen2":
+        switches["qkv_bias"] = True
+    if arch in ("qwen3", "gemma3"):
+        switches["qk_norm"] = True
+    if arch in ("phi3", *GEMMA_ARCHITECTURES) and window is not None and int(window) < context:
+        switches["sliding_window"] = int(window)
+    if arch in GEMMA_ARCHITECTURES:
+        head_dim = int(_field(reader, f"{arch}.attention.key_length", d_model // n_heads))
+        switches |= dict(
+            mlp_activation="gelu_tanh", embed_scale=True, post_norms=True,
+            query_pre_attn_scalar=float(d_model // n_heads if n_layers == GEMMA_27B_LAYERS[arch] else head_dim),
+            attn_logit_softcap=_optional_float(_field(reader, f"{arch}.attn_logit_softcapping")),
+            final_logit_softcap=_optional_float(_field(reader, f"{arch}.final_logit_softcapping")),
+        )
+        if "sliding_window" in switches:
+            sliding = (lambda i: i % 2 == 0) if arch == "gemma2" else (lambda i: (i + 1) % 6 != 0)
+            switches["layer_types"] = tuple("sliding" if sliding(i) else "full" for i in range(n_layers))
+        if arch == "gemma3":
+            switches["rope_local_theta"] = 10000.0
+    return switches
+
+
+def _optional_float(value) -> float | None:
+    return None if value is None else float(value)
 
 
 def _rope_scaling(reader: gguf.GGUFReader, arch: str, path: str | Path) -> dict:
@@ -105,6 +159,8 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, path: str | Path) -> dict:
     tensor and no scaling metadata; linear, YaRN and LongRoPE scaling come as `{arch}.rope.scaling.type`,
     which this engine does not implement, so they are refused rather than silently run unscaled."""
     kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if kind == "linear" and arch == "gemma3":  # Gemma 3's global layers
+        return {"rope_scaling": "linear", "rope_scaling_factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
     if kind != "none":
         raise GGUFImportError(f"{path}: rope scaling type {kind!r} ({arch}.rope.scaling.type) is not supported; "
                               "supported: plain RoPE and Llama 3.x frequency factors (the rope_freqs tensor)")
@@ -129,17 +185,17 @@ def _tokenizer(reader: gguf.GGUFReader, path: str | Path, config: ModelConfig) -
             f"{path}: tokenizer.ggml.model={kind!r}; only byte-level BPE ('gpt2') tokenizers can be imported. "
             "Convert the HF folder instead (its tokenizer.json is used as is)."
         )
-    if pre not in SPLIT_DIGIT_PRE_TOKENIZERS + PLAIN_BYTE_LEVEL_PRE_TOKENIZERS:
+    supported = [*SPLIT_DIGIT_PRE_TOKENIZERS, *PLAIN_BYTE_LEVEL_PRE_TOKENIZERS, *REGEX_PRE_TOKENIZERS]
+    if pre not in supported:
         raise GGUFImportError(
-            f"{path}: pre-tokenizer {pre!r} is not supported (supported: "
-            f"{list(SPLIT_DIGIT_PRE_TOKENIZERS + PLAIN_BYTE_LEVEL_PRE_TOKENIZERS)}). "
+            f"{path}: pre-tokenizer {pre!r} is not supported (supported: {supported}). "
             "Convert the HF folder instead (its tokenizer.json is used as is)."
         )
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
     token_types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
     control = [i for i, t in enumerate(token_types) if t == gguf.TokenType.CONTROL]
     hf = byte_level_bpe(tokens, _field(reader, "tokenizer.ggml.merges", []), control,
-                        split_digits=pre in SPLIT_DIGIT_PRE_TOKENIZERS)
+                        split_digits=pre in SPLIT_DIGIT_PRE_TOKENIZERS, split_regex=REGEX_PRE_TOKENIZERS.get(pre))
     return Tokenizer(
         hf,
         bos_token_id=config.bos_token_id,

@@ -112,7 +112,7 @@ def llama_shape_config(c: dict, model_type: str, name: str, config_file: Path) -
 def prepare_tensors(tensors: dict[str, np.ndarray], config: ModelConfig, model_type: str) -> None:
     """Brings a family's tensors to the common layout, in place."""
     if model_type == "phi3":
-        _split_fused_phi3(tensors, config)
+        split_fused_phi3(tensors, config)
     if model_type in GEMMA:
         # Gemma's RMSNorm multiplies by (1 + w) (in float32); the common layout stores the factor
         # itself, as llama.cpp's converter does for Gemma's GGUF files.
@@ -204,7 +204,7 @@ def _refuse_unsupported_fields(c: dict, model_type: str, config_file: Path) -> N
                                 f"{', '.join(LLAMA_SHAPE_FAMILIES)}, gpt2")
 
 
-def _split_fused_phi3(tensors: dict[str, np.ndarray], config: ModelConfig) -> None:
+def split_fused_phi3(tensors: dict[str, np.ndarray], config: ModelConfig) -> None:
     """Phi-3's qkv_proj rows are [q; k; v] and its gate_up_proj rows [gate; up] (its MLP chunks the
     projection in that order); the common layout wants them apart."""
     q_rows, kv_rows = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
