@@ -7,11 +7,13 @@ transformers. This module does not import jax.
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 from typing import Sequence
 
 import jinja2
+import jinja2.ext
 import jinja2.sandbox
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
@@ -120,13 +122,22 @@ def check_chat_template(source: str) -> None:
 
 
 def _compile_template(source: str) -> jinja2.Template:
-    # The same environment settings transformers uses for chat templates.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    """The environment transformers renders chat templates in (tests/test_chat_templates.py holds
+    them to its output byte for byte): trimmed blocks, loop controls ({% break %}, {% continue %}),
+    a `tojson` that keeps non-ASCII and HTML characters as they are (jinja's own escapes them),
+    `raise_exception` and `strftime_now`."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
 
     def raise_exception(message: str) -> None:
         raise ValueError(f"chat template: {message}")
 
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
     return env.from_string(source)
 
 
