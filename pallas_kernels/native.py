@@ -64,7 +64,7 @@ ISAS = ("avx512", "avx2", "base")
 # machine), so the code an AVX2-only CPU runs can be tested anywhere.
 ISA_ENV = "ORCA_JAX_NATIVE_ISA"
 
-__all__ = ["ISAS", "isa", "ragged_paged_attention_native", "ragged_paged_attention_reference", "select_isa",
+__all__ = ["ISAS", "isa", "keys_read", "ragged_paged_attention_native", "ragged_paged_attention_reference", "select_isa",
            "supported_isas", "unavailable_reason", "write_kv_native"]
 
 
@@ -157,6 +157,14 @@ def supported_isas() -> tuple[str, ...]:
 def isa() -> str:
     """The variant the kernels run with: the CPU's best unless one was selected."""
     return ISAS[_library().OrcaNativeIsa()]
+
+
+def keys_read() -> int:
+    """Cached key rows (keys x KV heads) the attention kernel has read in this process, all calls
+    together: tests count what a sliding window saves with it."""
+    library = _library()
+    library.OrcaNativeKeysRead.restype = ctypes.c_int64
+    return library.OrcaNativeKeysRead()
 
 
 def select_isa(name: str) -> None:

@@ -67,6 +67,10 @@ struct Problem {
   std::vector<Item> items;
 };
 
+// Cached key rows read (keys x KV heads), over all calls: lets tests count what a sliding window
+// saves. One relaxed add per work item.
+std::atomic<int64_t> g_keys_read{0};
+
 // ---- conversions -----------------------------------------------------------------------------
 
 inline float bf16_to_f32(uint16_t h) {
@@ -327,6 +331,7 @@ __attribute__((always_inline)) inline void attend_item(const Problem& p, const I
     return (page * p.page_size + offset) * row_stride + item.first_kv_head * dh;
   };
   // Keys before `begin` are outside every row's window: their pages are not read.
+  g_keys_read.fetch_add((end - begin) * heads, std::memory_order_relaxed);
   int64_t keys = 0, first_slot = chunk_at(begin, keys);
   for (int64_t base = begin; base < end;) {
     // Ask for the next chunk's rows now: its page is anywhere in memory (no stream for the
@@ -625,6 +630,7 @@ extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* OrcaWriteKV(XLA
 // The instruction set the kernels run with (Isa's numbering), and a switch to another the CPU has,
 // for tests and benchmarks that compare the variants: returns 0, changing nothing, if it lacks it.
 extern "C" __attribute__((visibility("default"))) int OrcaNativeIsa() { return static_cast<int>(g_isa.load()); }
+extern "C" __attribute__((visibility("default"))) int64_t OrcaNativeKeysRead() { return g_keys_read.load(); }
 extern "C" __attribute__((visibility("default"))) int OrcaNativeCpuHas(int isa) {
   return isa >= 0 && isa <= 2 && cpu_has(static_cast<Isa>(isa));
 }

@@ -92,3 +92,19 @@ def test_bad_options_are_named(impl, options, message):
     args = make_batch(rng, page_size=PAGE, num_heads=2, num_kv_heads=1, head_dim=64, seqs=[(5, 1)])
     with pytest.raises(ValueError, match=message):
         attend(impl, *args, sm_scale=0.125, **options)
+
+
+def test_a_windowed_decode_reads_keys_in_proportion_to_the_window():
+    """Counted by the native kernel: a decode at position 329 with a window of 20 reads 20 keys per
+    KV head, not 330."""
+    require_native()
+    rng = np.random.default_rng(10)
+    args = make_batch(rng, page_size=PAGE, num_heads=4, num_kv_heads=2, head_dim=64, seqs=[(330, 1)])
+
+    def keys_read(**options):
+        before = native.keys_read()
+        np.asarray(native.ragged_paged_attention_native(*args, sm_scale=0.125, **options))
+        return native.keys_read() - before
+
+    assert keys_read() == 330 * 2
+    assert keys_read(sliding_window=20) == 20 * 2
