@@ -36,6 +36,8 @@ KVCacheDType = Literal["auto", "float32", "bfloat16"]
 SchedulingPolicy = Literal["static", "orca", "paged", "chunked"]  # each a class in engine/scheduler.py's POLICIES
 AttentionImpl = Literal["auto", "native", "pallas", "xla"]
 DTypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
+# jax's names (jax.default_matmul_precision); auto = highest for float32 models, default otherwise.
+MatmulPrecision = Literal["auto", "highest", "high", "default"]
 
 
 # The choice lists, defined once: the CLI's choices, the TOML loader's checks and their errors use them.
@@ -43,6 +45,17 @@ SCHEDULING_POLICIES: tuple[str, ...] = typing.get_args(SchedulingPolicy)
 ATTENTION_IMPL_CHOICES: tuple[str, ...] = typing.get_args(AttentionImpl)
 DTYPE_CHOICES: tuple[str, ...] = typing.get_args(DTypeSetting)
 KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = typing.get_args(KVCacheDType)
+MATMUL_PRECISION_CHOICES: tuple[str, ...] = typing.get_args(MatmulPrecision)
+
+
+def matmul_precision_for(setting: str, model_dtype: str) -> str:
+    """The precision the model's matmuls are traced with. `auto`: a float32 model gets full float32
+    products ("highest": on NVIDIA GPUs XLA's "default" would use TF32, 10-bit mantissas, and the
+    float32 guarantees (README, Dtypes) would not hold); a 16-bit model gets "default", 16-bit
+    products summed in float32."""
+    if setting != "auto":
+        return setting
+    return "highest" if model_dtype == "float32" else "default"
 
 
 class ConfigError(ValueError):
@@ -304,6 +317,7 @@ class EngineConfig:
     max_model_len: int | None = None  # tokens per sequence (prompt + output); None: the model's context length
     dtype: DTypeSetting = "auto"  # weights, activations and KV pages; auto: the checkpoint's, float32 on CPU
     attention_impl: AttentionImpl = "auto"
+    matmul_precision: MatmulPrecision = "auto"  # see matmul_precision_for
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -312,6 +326,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check_literal(self, "attention_impl", ATTENTION_IMPL_CHOICES)
         _check_literal(self, "dtype", DTYPE_CHOICES)
+        _check_literal(self, "matmul_precision", MATMUL_PRECISION_CHOICES)
         if self.max_model_len is not None:
             _check_positive(self, "max_model_len")
         _require(

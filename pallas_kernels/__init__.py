@@ -5,10 +5,10 @@ prefill chunks and both mixed, reading K/V from the paged cache and keeping requ
 segment id. `ragged_paged_attention_reference` is the same contract in plain jnp.
 """
 
+from pallas_kernels.block_sizes import BlockSizes, default_block_sizes
 from pallas_kernels.ragged_paged_attention import (
-    BlockSizes,
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
 
-__all__ = ["BlockSizes", "ragged_paged_attention", "ragged_paged_attention_reference"]
+__all__ = ["BlockSizes", "default_block_sizes", "ragged_paged_attention", "ragged_paged_attention_reference"]

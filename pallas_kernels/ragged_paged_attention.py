@@ -1,4 +1,4 @@
-"""Ragged paged attention over per-request segment ids, as one Pallas kernel.
+"""Ragged paged attention over per-request segment ids, as one call of two Pallas kernels.
 
 The kernel contract (DESIGN.md):
 
@@ -13,43 +13,36 @@ h // (Hq // Hkv). A token whose segment id is outside [0, S) is padding and give
 come in any order and a segment's tokens need not be contiguous; decode tokens, prefill chunks and
 both mixed are one call.
 
-Layout of the computation: the grid is (query blocks of `block_q` tokens) x (KV heads). A program
-loads its query block for the G query heads of its KV head, then visits each segment present in the
-block and, for that segment, each KV page up to the block's last position in it: every page is read
-once per program and shared by the G heads. Scores use an online softmax with a finite mask value;
-masked probabilities are zeroed explicitly, so a block whose keys are all masked adds nothing (the
-NaN trap of -inf masks) and a row with no key at all gives zeros.
+Layout of the computation: two kernels share the call, each row going to one of them.
+  - Decode rows: a sequence with exactly one token in the call (a decode step, or a one-token
+    chunk) goes to the decode kernel (decode_kernel.py), a grid over (sequences, KV heads) whose
+    program holds the sequence's query-head group against its pages, streamed.
+  - Every other row (prefill chunks) goes to the query-block kernel below: the grid is (query blocks
+    of `block_q` tokens) x (KV heads). A program loads its query block for the G query heads of its
+    KV head, then visits each segment present in the block and, for that segment, each KV page up to
+    the block's last position in it: every page is read once per program and shared by the G heads.
+    Decode rows are padding to it, so a block of decodes only writes zeros.
+Both use an online softmax with a finite mask value; masked probabilities are zeroed explicitly, so
+a block whose keys are all masked adds nothing (the NaN trap of -inf masks) and a row with no key at
+all gives zeros.
 
-Decode tokens of different sequences share a query block, so compute is wasted on rows of other
-segments (at most block_q x), but each sequence's pages are read once: decode attention is bound by
-memory, not compute. The module follows jax's own Pallas ops: a block-size dataclass, the kernel,
-a jitted wrapper that validates its inputs, and `ragged_paged_attention_reference` in pure jnp.
+Compiled (Triton) both need power-of-two tiles, tl.dot's at least 16 wide: page_size and head_dim are
+checked (block_sizes.check_triton_shapes) and the query-head group is padded. Block sizes come from
+`BlockSizes`, by default per (head_dim, page_size, dtype) from block_sizes.DEFAULTS. The module
+follows jax's own Pallas ops: a block-size dataclass, the kernels, a jitted wrapper that validates its
+inputs, and `ragged_paged_attention_reference` in pure jnp.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-# Finite, so exp(MASK - MASK) stays finite; masked probabilities are also zeroed explicitly.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tiling and Triton tuning knobs of the GPU kernel."""
-
-    block_q: int = 16  # query tokens per program; a power of two (Triton tiles), >= 16 for tl.dot
-    num_warps: int = 4
-    num_stages: int = 2
-
-    def __post_init__(self) -> None:
-        if self.block_q < 1 or self.block_q & (self.block_q - 1):
-            raise ValueError(f"block_q must be a power of two, got {self.block_q}")
+from pallas_kernels.block_sizes import BlockSizes, check_triton_shapes, default_block_sizes
+from pallas_kernels.decode_kernel import MASK_VALUE, decode_attention
 
 
 def _kernel(
@@ -58,8 +51,8 @@ def _kernel(
     q_ref,  # [BQ, G_pad, Dh], already scaled by sm_scale
     block_tables_ref,  # [S, max_pages] int32 (whole array)
     kv_lens_ref,  # [S] int32 (whole array)
-    k_pages_ref,  # [P, page, Dh]: this program's KV head
-    v_pages_ref,  # [P, page, Dh]
+    k_pages_ref,  # [P, page, K, Dh] (whole array: a program reads its KV head's pages)
+    v_pages_ref,  # [P, page, K, Dh]
     o_ref,  # [BQ, G_pad, Dh]
     *,
     num_seqs: int,
@@ -69,6 +62,7 @@ def _kernel(
 ):
     block_q, _, head_dim = q_ref.shape
     page_size = k_pages_ref.shape[1]
+    head = pl.program_id(1)
     segments = segment_ids_ref[...]
     positions = positions_ref[...]
     valid = (segments >= 0) & (segments < num_seqs)
@@ -84,8 +78,8 @@ def _kernel(
 
         def visit_page(j, carry):
             page = block_tables_ref[seg, j]
-            k = k_pages_ref[page]  # [page, Dh]
-            v = v_pages_ref[page]
+            k = k_pages_ref[page, :, head, :]  # [page, Dh]
+            v = v_pages_ref[page, :, head, :]
             key_pos = j * page_size + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)  # [1, page]
             visible = rows[:, None] & (key_pos <= positions[:, None]) & (key_pos < kv_len)  # [BQ, page]
             if sliding_window is not None:
@@ -164,30 +158,73 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    block_sizes: BlockSizes = BlockSizes(),
+    block_sizes: BlockSizes | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """See the module docstring (`sliding_window`, `soft_cap`: `check_options`). `interpret=True`
-    runs the kernel body as plain JAX (any backend)."""
+    """See the module docstring (`sliding_window`, `soft_cap`: `check_options`). `block_sizes`: None
+    takes the defaults for the shape. `interpret=True` runs the kernel bodies as plain JAX (any
+    backend, any shape)."""
     check_inputs(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens)
     check_options(sliding_window, soft_cap)
     num_tokens, num_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
     num_seqs, _ = block_tables.shape
+    if block_sizes is None:
+        block_sizes = default_block_sizes(head_dim, page_size, k_pages.dtype)
+    if not interpret:
+        check_triton_shapes(head_dim=head_dim, page_size=page_size, block_sizes=block_sizes)
     group = num_heads // num_kv_heads
-    group_pad = 1 << (group - 1).bit_length()  # Triton tiles are powers of two
+    queries = (q.astype(jnp.float32) * sm_scale).astype(q.dtype).reshape(num_tokens, num_kv_heads, group, head_dim)
+    segments = segment_ids.astype(jnp.int32)
+    positions = positions.astype(jnp.int32)
+    block_tables = block_tables.astype(jnp.int32)
+    kv_lens = kv_lens.astype(jnp.int32)
+
+    # Decode rows: the one token of a sequence that has one token in this call.
+    valid = (segments >= 0) & (segments < num_seqs)
+    seg_or_none = jnp.where(valid, segments, num_seqs)  # out of range: dropped by the scatters below
+    tokens_per_seq = jnp.zeros((num_seqs,), jnp.int32).at[seg_or_none].add(1, mode="drop")
+    seg = jnp.clip(segments, 0, num_seqs - 1)
+    decode_row = valid & (tokens_per_seq[seg] == 1)  # [T]
+    decode_seq = jnp.where(decode_row, segments, num_seqs)
+    query_pos = jnp.full((num_seqs,), -1, jnp.int32).at[decode_seq].set(positions, mode="drop")  # [S]
+    token_of_seq = jnp.zeros((num_seqs,), jnp.int32).at[decode_seq].set(jnp.arange(num_tokens, dtype=jnp.int32),
+                                                                        mode="drop")
+    decode_group_pad = max(16, _next_power_of_two(group))  # tl.dot's rows
+    decode_queries = jnp.pad(queries[token_of_seq], ((0, 0), (0, 0), (0, decode_group_pad - group), (0, 0)))
+    decoded = decode_attention(decode_queries, k_pages, v_pages, query_pos, block_tables, kv_lens,
+                               sliding_window=sliding_window, soft_cap=soft_cap,
+                               num_warps=block_sizes.decode_num_warps, num_stages=block_sizes.decode_num_stages,
+                               interpret=interpret)  # [S, K, G_pad, Dh]
+    decoded = decoded[seg, :, :group].reshape(num_tokens, num_heads, head_dim)
+
+    blocked = _query_blocks(queries, k_pages, v_pages, jnp.where(decode_row, num_seqs, segments), positions,
+                            block_tables, kv_lens, sliding_window=sliding_window, soft_cap=soft_cap,
+                            block_sizes=block_sizes, interpret=interpret)
+    return jnp.where(decode_row[:, None, None], decoded, blocked)
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _query_blocks(queries, k_pages, v_pages, segments, positions, block_tables, kv_lens, *, sliding_window,
+                  soft_cap, block_sizes, interpret):
+    """The query-block kernel over queries [T, K, G, Dh] (scaled) -> [T, K * G, Dh]; rows whose
+    segment is out of range (padding, and the decode rows) give zeros."""
+    num_tokens, num_kv_heads, group, head_dim = queries.shape
+    num_seqs = block_tables.shape[0]
+    group_pad = _next_power_of_two(group)  # Triton tiles are powers of two
     block_q = block_sizes.block_q
     padded_tokens = pl.cdiv(num_tokens, block_q) * block_q
-
-    queries = (q.astype(jnp.float32) * sm_scale).astype(q.dtype).reshape(num_tokens, num_kv_heads, group, head_dim)
     queries = jnp.pad(queries, ((0, padded_tokens - num_tokens), (0, 0), (0, group_pad - group), (0, 0)))
-    segments = jnp.pad(segment_ids.astype(jnp.int32), (0, padded_tokens - num_tokens), constant_values=num_seqs)
-    positions = jnp.pad(positions.astype(jnp.int32), (0, padded_tokens - num_tokens))
+    segments = jnp.pad(segments, (0, padded_tokens - num_tokens), constant_values=num_seqs)
+    positions = jnp.pad(positions, (0, padded_tokens - num_tokens))
 
     token_block = pl.BlockSpec((block_q,), lambda i, h: (i,))
     head_block = pl.BlockSpec((block_q, None, group_pad, head_dim), lambda i, h: (i, h, 0, 0))
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
-    pages_of_head = pl.BlockSpec((num_pages, page_size, None, head_dim), lambda i, h: (0, 0, h, 0))
+    # The pages whole, the KV head indexed in the kernel (as in decode_kernel.py, for interpret mode).
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))  # noqa: E731
     compiler_params = None
     if not interpret:
         # Always Triton when compiled, whatever backend traces it: without these params jax lowers
@@ -202,14 +239,14 @@ def ragged_paged_attention(
                           soft_cap=soft_cap),
         grid=(padded_tokens // block_q, num_kv_heads),
         in_specs=[token_block, token_block, head_block, whole(block_tables.shape), whole(kv_lens.shape),
-                  pages_of_head, pages_of_head],
+                  whole(k_pages.shape), whole(v_pages.shape)],
         out_specs=head_block,
-        out_shape=jax.ShapeDtypeStruct(queries.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(queries.shape, queries.dtype),
         interpret=interpret,
         compiler_params=compiler_params,
         name="ragged_paged_attention",
-    )(segments, positions, queries, block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32), k_pages, v_pages)
-    return out[:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim)
+    )(segments, positions, queries, block_tables, kv_lens, k_pages, v_pages)
+    return out[:num_tokens, :, :group].reshape(num_tokens, num_kv_heads * group, head_dim)
 
 
 def check_options(sliding_window: int | None, soft_cap: float | None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import jax
@@ -13,12 +14,57 @@ from orca_jax.config import DEFAULT_MODEL, REPO_ROOT
 FIXTURES = REPO_ROOT.parent / "shared" / "fixtures"
 SMOLLM2 = DEFAULT_MODEL
 
+
+def _accelerator_platforms() -> list[str]:
+    """The GPU platforms jax could start here, judged from the installed plugins and the NVIDIA
+    device files without starting a backend: the default platform must be chosen before the first
+    backend starts."""
+    import glob
+    import importlib.metadata
+    import importlib.util
+    import pkgutil
+
+    names = {entry.name for entry in importlib.metadata.entry_points(group="jax_plugins")}
+    if importlib.util.find_spec("jax_plugins") is not None:
+        import jax_plugins
+
+        names |= {module.name for module in pkgutil.iter_modules(jax_plugins.__path__)}
+    has_cuda_plugin = any("cuda" in name for name in names)
+    return ["cuda"] if has_cuda_plugin and glob.glob("/dev/nvidia[0-9]*") else []
+
+
+# CPU first: every test that does not ask for a device runs on the CPU, whatever the machine has
+# (the 6-device layouts, the native kernel, messages naming "cpu device(s)"). A GPU stays reachable
+# through jax.devices("gpu") for the `gpu` tests.
+# An explicit JAX_PLATFORMS wins.
+if not os.environ.get("JAX_PLATFORMS"):
+    jax.config.update("jax_platforms", ",".join(["cpu", *_accelerator_platforms()]))
 jax.config.update("jax_compilation_cache_dir", str(REPO_ROOT / ".jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # Six CPU devices (tp 3 x pp 2 for SmolLM2), set before the backend starts; one-device runners use
 # the first. On 2 cores they share the cores: the parallel tests check outputs, never speed.
 NUM_TEST_DEVICES = 6
 jax.config.update("jax_num_cpu_devices", NUM_TEST_DEVICES)
+
+
+def gpu_devices() -> list:
+    """The GPUs jax started, [] on a machine without one."""
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:  # no GPU backend
+        return []
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need a GPU: without one they are skipped with the reason (reported as not run,
+    never as passed)."""
+    if gpu_devices():
+        return
+    skip = pytest.mark.skip(reason=f"needs a GPU; this machine has only {jax.default_backend()} devices "
+                                   "(on a GPU machine: python -m pytest -m gpu tests/gpu, or bench/gpu_check.py)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 def require_native() -> None:

@@ -8,16 +8,18 @@ the repository), so one setting moves or clears them all:
     <root>/native/       the native CPU attention library (pallas_kernels.native)
 
 An executable file holds a header naming everything its program depends on (jax and jaxlib versions,
-XLA flags, the CPU, a hash of this package's source, the model config, the shapes and placements of its
-arguments) and a checksum of the payload. It is loaded only when the header equals what this program
-would compile now and the checksum matches: a stale entry is ignored and rebuilt, a corrupt one is
-ignored with a warning; neither is ever executed.
+XLA flags, the CPU, the devices' kind and platform version (on a GPU: driver and CUDA runtime), the
+installed jax plugins' versions, a hash of this package's source, the model config, the shapes and
+placements of its arguments) and a checksum of the payload. It is loaded only when the header equals
+what this program would compile now and the checksum matches: a stale entry is ignored and rebuilt, a
+corrupt one is ignored with a warning; neither is ever executed.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -72,6 +74,28 @@ def _machine() -> dict[str, str]:
     return {"machine": platform.machine(), "cpu": hashlib.sha256(cpu.encode()).hexdigest()[:16]}
 
 
+@functools.cache
+def _plugin_versions() -> dict[str, str]:
+    """Installed jax device plugins (jax-cuda12-plugin, jax-cuda13-pjrt, ...) and their versions: a
+    GPU program is compiled by the plugin, so another plugin version must compile its own."""
+    versions = {}
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name.startswith(("jax-cuda", "jax-rocm", "libtpu")):
+            versions[name] = dist.version
+    return dict(sorted(versions.items()))
+
+
+def _accelerator(devices) -> dict[str, Any]:
+    """What a program compiled for `devices` depends on beyond the host: the device kinds (a program
+    built for an H100 must not load on an H200) and the platform version, which on a GPU names the
+    CUDA driver and runtime."""
+    kinds = sorted({device.device_kind for device in devices})
+    platform_versions = sorted({getattr(getattr(device, "client", None), "platform_version", device.platform)
+                                for device in devices})
+    return {"device_kinds": kinds, "platform_versions": platform_versions, "plugins": _plugin_versions()}
+
+
 def _describe_args(args) -> list[str]:
     def one(leaf) -> str:
         sharding = getattr(leaf, "sharding", None)
@@ -106,13 +130,13 @@ class ExecutableStore:
     def default(cls) -> "ExecutableStore":
         return cls(compilation_cache_dir() / "executables")
 
-    def header(self, name: str, args, depends_on: str) -> str:
-        """Everything the program `name` compiled for `args` depends on, as canonical text."""
+    def header(self, name: str, args, depends_on: str, devices) -> str:
+        """Everything the program `name` compiled for `args` on `devices` depends on, as canonical text."""
         return json.dumps({
             "name": name, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "backend": jax.default_backend(),
             "processes": [jax.process_index(), jax.process_count()], **_machine(), "source": source_hash(),
-            "depends_on": depends_on, "args": _describe_args(args),
+            **_accelerator(devices), "depends_on": depends_on, "args": _describe_args(args),
         }, sort_keys=True)
 
     def _path(self, name: str, header: str) -> Path:
@@ -125,7 +149,7 @@ class ExecutableStore:
         ones it runs on, in the order of its mesh."""
         if self.directory is None:
             return lower().compile()
-        header = self.header(name, args, depends_on)
+        header = self.header(name, args, depends_on, devices)
         path = self._path(name, header)
         compiled = self._load(path, header, jax.tree.structure((tuple(args), {})), out_tree, devices)
         if compiled is not None:

@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Int
 from tqdm.auto import tqdm
 
-from orca_jax.config import ConfigError, ParallelConfig, kv_page_dtype
+from orca_jax.config import ConfigError, ParallelConfig, kv_page_dtype, matmul_precision_for
 from orca_jax.runner.compile_cache import ExecutableStore, enable_compilation_cache
 from orca_jax.engine.step_plan import Buckets, KVLayout, RunnerLost, SampledToken, StepPlan, padding_plan, sampled_tokens
 from orca_jax.model.attention import AttentionMetadata
@@ -133,13 +133,15 @@ class ModelRunner:
         step_timeout: float | None = None,
         executable_store: ExecutableStore | None = None,
         kv_cache_dtype: str = "auto",
+        matmul_precision: str = "auto",
     ):
         """`attention_impl`: "auto", "native", "xla", "pallas" or "pallas-interpret", resolved here
         for the devices' platform. `devices` (default: all of jax.devices(), every process's) are split
         into pp x tp. `step_timeout`: seconds to wait for a step's result from other processes
         before raising RunnerLost (multi-host only; warm-up allows ten times as long). Compiled
         programs are kept in `executable_store` (default: under $ORCA_JAX_COMPILATION_CACHE). KV pages
-        are kept in `kv_cache_dtype` ("auto": the model's dtype)."""
+        are kept in `kv_cache_dtype` ("auto": the model's dtype). Every program is traced with
+        `matmul_precision` (config.matmul_precision_for: "auto" is full precision for float32 models)."""
         enable_compilation_cache()
         config = model.config
         check_parallel(config, parallel)
@@ -149,6 +151,7 @@ class ModelRunner:
         self.kv_layout = KVLayout(num_pages, page_size, -(-max_model_len // page_size), buckets.seqs[-1])
         self.executable_store = executable_store or ExecutableStore.default()
         self.kv_dtype = jnp.dtype(kv_page_dtype(kv_cache_dtype, config.dtype))
+        self.matmul_precision = matmul_precision_for(matmul_precision, config.dtype)
         self.buckets = buckets
         self.max_in_flight = parallel.pipeline_parallel_size
         platform = meshes[0].devices.flat[0].platform
@@ -228,7 +231,7 @@ class ModelRunner:
     def layout_key(self) -> str:
         """Everything the processes of one model must agree on (multi-host checks it at start-up)."""
         return repr((self.config, self.parallel, self.kv_layout, self.kv_dtype.name, self.buckets,
-                     self.attention_impl))
+                     self.attention_impl, self.matmul_precision))
 
     def describe(self) -> str:
         tp, pp = self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
@@ -279,8 +282,13 @@ class ModelRunner:
             args, program = (stage.params, last_tokens, self._sampling_metadata(plan, stage)), stage.head_program
             out_tree = jax.tree.structure(SamplerOutput(0, 0, 0, 0))
         return self.executable_store.load_or_compile(
-            f"{name}{size}-stage{stage.index}", args, repr((self.config, self.attention_impl)),
-            lambda: program.lower(*args), out_tree, list(stage.mesh.devices.flat))
+            f"{name}{size}-stage{stage.index}", args, repr((self.config, self.attention_impl, self.matmul_precision)),
+            lambda: self.lower(program, args), out_tree, list(stage.mesh.devices.flat))
+
+    def lower(self, program, args):
+        """Traces `program` with the runner's matmul precision: it is fixed in the program's dots."""
+        with jax.default_matmul_precision(self.matmul_precision):
+            return program.lower(*args)
 
     def _program(self, stage: Stage, name: str, size: int):
         """The compiled program for a shape; one missing after warm-up is compiled now and counted."""

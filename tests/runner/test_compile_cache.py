@@ -1,8 +1,10 @@
 """Compiled programs stored between runs: loaded only when everything they depend on matches."""
 
+import json
 import logging
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -123,3 +125,39 @@ def test_a_second_engine_loads_every_program_instead_of_compiling(tmp_path, monk
     assert second.runner.executable_store.loaded == 4
     assert [o.outputs[0].token_ids for o in second.generate(prompts, params, use_tqdm=False)] == want
     assert second.num_compilations_after_warmup == 0
+
+
+def test_the_header_names_the_device_kind_and_platform_version():
+    def device(kind, version):
+        return types.SimpleNamespace(device_kind=kind, platform="gpu",
+                                     client=types.SimpleNamespace(platform_version=version))
+
+    h100 = compile_cache._accelerator([device("NVIDIA H100 80GB HBM3", "PJRT C API\ncuda 12080")])
+    h200 = compile_cache._accelerator([device("NVIDIA H200", "PJRT C API\ncuda 12080")])
+    newer_driver = compile_cache._accelerator([device("NVIDIA H200", "PJRT C API\ncuda 13000")])
+    assert h100["device_kinds"] == ["NVIDIA H100 80GB HBM3"]
+    assert len({json.dumps(h) for h in (h100, h200, newer_driver)}) == 3
+    here = compile_cache._accelerator([DEVICE])
+    assert here["device_kinds"] == [DEVICE.device_kind]
+    assert f'"device_kinds": ["{DEVICE.device_kind}"]' in ExecutableStore(None).header("f", ARGS, "", [DEVICE])
+
+
+def test_a_program_stored_on_one_gpu_model_is_not_loaded_on_another(tmp_path, monkeypatch):
+    def on(kind: str, plugins: dict):
+        monkeypatch.setattr(compile_cache, "_accelerator",
+                            lambda devices: {"device_kinds": [kind], "platform_versions": ["cuda 12080"],
+                                             "plugins": plugins})
+
+    cuda12 = {"jax-cuda12-plugin": "0.10.2"}
+    on("NVIDIA H100 80GB HBM3", cuda12)
+    Program(2.0).get(ExecutableStore(tmp_path))
+    for kind, plugins in [("NVIDIA H200", cuda12), ("NVIDIA H100 80GB HBM3", {"jax-cuda12-plugin": "0.11.2"})]:
+        on(kind, plugins)
+        other = Program(3.0)
+        np.testing.assert_array_equal(run(other.get(ExecutableStore(tmp_path))), [1, 4, 7, 10])
+        assert other.compiles == 1
+    on("NVIDIA H100 80GB HBM3", cuda12)
+    store = ExecutableStore(tmp_path)
+    again = Program(9.0)
+    np.testing.assert_array_equal(run(again.get(store)), [1, 3, 5, 7])  # the H100's own program, loaded
+    assert (again.compiles, store.loaded) == (0, 1)
