@@ -75,3 +75,8 @@ def test_block_sizes_default_per_head_dim_page_size_and_dtype():
         BlockSizes(num_warps=3)
     with pytest.raises(ValueError, match="decode_num_stages must be at least 1"):
         BlockSizes(decode_num_stages=0)
+
+
+def test_sliding_window_and_soft_cap_lower_for_cuda_too():
+    exported = export_for_cuda(128, 16, 32, 8, 128, 16, jnp.bfloat16, sliding_window=64, soft_cap=30.0)
+    assert triton_kernels(exported) == {"ragged_paged_attention_decode": (16, 8), "ragged_paged_attention": (8, 8)}
