@@ -63,9 +63,12 @@ class LLMEngine:
         self.kv = KVCacheManager(runner.kv_layout.num_pages, config.cache.page_size, config.cache.enable_prefix_caching)
         # With a pipeline of depth d, each step takes about 1/d of the running requests.
         per_step = -(-config.scheduler.max_num_seqs // runner.max_in_flight)
-        # Speculative decoding needs a runner that proposes drafts (built for the same config).
-        speculating = config.speculative_config is not None and runner.kv_layout.num_speculative_tokens > 0
-        self.drafts = DraftPolicy(config.speculative_config) if speculating else None
+        # Speculative decoding needs a runner that proposes as many drafts (built for the same config).
+        spec = config.speculative_config
+        if spec is not None and spec.num_speculative_tokens != runner.kv_layout.num_speculative_tokens:
+            raise ValueError(f"speculative_config asks for {spec.num_speculative_tokens} draft tokens but the runner "
+                             f"was built for {runner.kv_layout.num_speculative_tokens}; build both from one config")
+        self.drafts = None if spec is None else DraftPolicy(spec)
         self.scheduler = make_scheduler(config.scheduler, self.kv, max_seqs_per_step=per_step, drafts=self.drafts,
                                         max_model_len=self.max_model_len)
         self.output_processor = OutputProcessor(tokenizer, self.max_model_len)
