@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -80,6 +81,14 @@ def smollm2_bf16(smollm2):  # after `smollm2`, which pulls the checkpoint on fir
 
 
 # Runners are compiled once per session and shared by engine and server tests.
+def spec_buckets(buckets, proposer):
+    """With a proposer, two logit-row buckets only (the largest sequence bucket, and all its
+    drafts): fewer programs to compile than the default doublings; small steps pad their rows."""
+    if proposer is None:
+        return buckets
+    return dataclasses.replace(buckets, rows=(buckets.seqs[-1], buckets.seqs[-1] * (1 + proposer.num_speculative_tokens)))
+
+
 def warm_tiny_runner(tiny_trained, attention_impl, tp=1, pp=1, proposer=None):
     from orca_jax.config import ParallelConfig
     from orca_jax.runner.model_runner import ModelRunner
@@ -87,7 +96,7 @@ def warm_tiny_runner(tiny_trained, attention_impl, tp=1, pp=1, proposer=None):
 
     buckets = Buckets(tokens=(16, 64), seqs=(4, 8))
     runner = ModelRunner(tiny_trained.model, num_pages=160, page_size=4, max_model_len=128,
-                         buckets=buckets.with_draft_rows(proposer.num_speculative_tokens) if proposer else buckets,
+                         buckets=spec_buckets(buckets, proposer),
                          attention_impl=attention_impl,
                          parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp), proposer=proposer)
     runner.warm_up(show_progress=False)
@@ -103,7 +112,7 @@ def warm_smollm2_runner(smollm2, tp=1, pp=1, kv_cache_dtype="auto", attention_im
     # batch-invariance tests on the real model cover it, alone and per shard under tp.
     buckets = Buckets(tokens=(32, 128), seqs=(8,))
     runner = ModelRunner(smollm2.model, num_pages=96, page_size=16, max_model_len=2048,
-                         buckets=buckets.with_draft_rows(proposer.num_speculative_tokens) if proposer else buckets,
+                         buckets=spec_buckets(buckets, proposer),
                          attention_impl=attention_impl,
                          parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
                          kv_cache_dtype=kv_cache_dtype, proposer=proposer)

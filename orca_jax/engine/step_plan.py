@@ -368,17 +368,18 @@ def step_tokens(plan: StepPlan, tokens, logprob, top_ids, top_logprobs, accepted
     """The step's host result back to the requests that asked for tokens: [R] per logit row
     (`accepted`: the row's draft was accepted; None without speculation), [S_max] per sequence
     (`drafts` [S_max, k] proposed for the next step, `num_drafts` of them valid)."""
-    def token(row: int, num_top: int | None) -> SampledToken:
+    def token(row: int, num_top: int | None, value: int | None = None) -> SampledToken:
         top = None if num_top is None else (top_ids[row, :num_top].tolist(), top_logprobs[row, :num_top].tolist())
-        return SampledToken(token=int(tokens[row]), logprob=float(logprob[row]), top=top)
+        return SampledToken(token=int(tokens[row]) if value is None else value, logprob=float(logprob[row]), top=top)
 
     result = {}
     for seq, first, verified, num_top in plan.sample_rows:
         num_accepted = 0
         while num_accepted < len(verified) and accepted[first + num_accepted]:
             num_accepted += 1
-        # An accepted row's token is its draft: the target sampled that very token there.
-        new = [token(first + i, num_top) for i in range(num_accepted + 1)]
+        # The accepted drafts (the rows that drew them), then the first row's token that was not one.
+        new = [token(first + i, num_top, verified[i]) for i in range(num_accepted)]
+        new.append(token(first + num_accepted, num_top))
         proposed = [] if drafts is None else drafts[seq, :num_drafts[seq]].tolist()
         result[plan.request_ids[seq]] = StepTokens(new, len(verified), proposed)
     return result

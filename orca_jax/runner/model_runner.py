@@ -267,7 +267,7 @@ class ModelRunner:
         on several processes also opens each transfer between them. Returns seconds taken."""
         start = time.perf_counter()
         self.compile_programs(show_progress)
-        plan = padding_plan(self.buckets.tokens[0], self.buckets.seqs[0], self.kv_layout, self.config.vocab_size)
+        plan = padding_plan(self.buckets.tokens[0], self.buckets.row_buckets[0], self.kv_layout, self.config.vocab_size)
         self._wait(self.run_plan(plan), 10 * self.step_timeout if self.step_timeout else None)
         elapsed = time.perf_counter() - start
         self.stats = RunnerStats()
@@ -292,7 +292,7 @@ class ModelRunner:
     def _compile(self, stage: Stage, name: str, size: int):
         if name == "layers":
             placed = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=stage.replicated)  # noqa: E731
-            plan = padding_plan(size, self.buckets.seqs[0], self.kv_layout, self.config.vocab_size)
+            plan = padding_plan(size, self.buckets.row_buckets[0], self.kv_layout, self.config.vocab_size)
             inputs = jax.tree.map(lambda a: placed(a.shape, a.dtype), StepInputs.of(plan))
             x = None if stage.first else placed((size, self.config.d_model), jnp.dtype(self.config.dtype))
             args, program = (stage.params, stage.kv_caches, stage.token_pages, x, inputs), stage.layers_program
