@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="run a benchmark of bench/ (pass its own flags after the name)")
     bench.add_argument("name", choices=BENCHMARKS, help="scheduling (offline, every policy), serving (load "
                        "generator against servers), throughput, attention, parallel (tp x pp layouts), grammar "
-                       "(structured-output engines)")
+                       "(structured-output engines), spec (speculative decoding off vs n-gram)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's flags; see --help after the name")
 
     args = parser.parse_args(argv)
@@ -114,7 +114,7 @@ def _pull_or_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ["scheduling", "serving", "throughput", "attention", "parallel", "grammar"]
+BENCHMARKS = ["scheduling", "serving", "throughput", "attention", "parallel", "grammar", "spec"]
 
 
 def _bench(name: str, bench_args: list[str]) -> int:

@@ -26,7 +26,9 @@ from orca_jax.engine.request import Request
 
 MIN_CHAIN_ACCEPTANCE = 0.4  # a draft is verified when all drafts up to it are this likely to pass
 PROBE_INTERVAL = 16  # steps between single probing drafts of a request whose drafts fail
-PRIOR_ACCEPTED, PRIOR_TRIALS = 1, 2  # a new request's estimate starts at 1/2, worth two trials
+# A new request's estimate starts at 3/4, worth four trials: an n-gram match is usually right (copying),
+# and a request whose drafts fail gets down to none within a few steps.
+PRIOR_ACCEPTED, PRIOR_TRIALS = 3, 4
 
 
 @dataclass
