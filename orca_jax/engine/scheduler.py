@@ -177,7 +177,10 @@ class Scheduler:
             return []
         num_decoding = sum(1 for r in self.running if r.status == RequestStatus.RUNNING and r.num_uncomputed_tokens == 1)
         k = self.drafts.num_drafts(request, num_decoding, budget, self.max_model_len)
-        return request.draft_token_ids[:k]
+        drafts = request.draft_token_ids[:k]
+        if request.grammar is not None:  # only drafts the grammar allows: no violation can be accepted
+            drafts = drafts[:request.grammar.valid_prefix(drafts)]
+        return drafts
 
     def _running_order(self) -> list[Request]:
         """The running requests in the order they claim the token budget: admission order, or with
@@ -248,7 +251,7 @@ class Scheduler:
         self.running.append(request)
 
     def _plan(self, out: SchedulerOutput, request: Request, num_new: int, drafts: list[int] = ()) -> None:
-        proposes = self.drafts is not None and self.drafts.speculates(request)
+        proposes = self.drafts is not None
         out.scheduled.append(ScheduledRequest(request, num_new + len(drafts), request.num_computed_tokens,
                                               list(drafts), proposes))
 

@@ -13,8 +13,9 @@ one is a token of compute and a KV slot). Speculation only pays while extra rows
   MIN_CHAIN_ACCEPTANCE. A request whose drafts keep failing drops to none, and gets one draft every
   PROBE_INTERVAL steps so that its estimate can recover when its text turns repetitive.
 
-Requests that speculate never: those with a grammar (the grammar's bitmask is computed on the host
-from the state after each token, which drafts do not have yet; README, "Speculative decoding").
+A request with a grammar (structured outputs) verifies only the drafts its grammar allows in a row
+(the scheduler asks the grammar), and each of its rows is masked by the grammar's state after the
+drafts before it, so no draft and no token after one can break the grammar.
 """
 
 from __future__ import annotations
@@ -55,10 +56,6 @@ class DraftPolicy:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.stats = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
-
-    @staticmethod
-    def speculates(request: Request) -> bool:
-        return request.grammar is None
 
     def num_drafts(self, request: Request, num_decoding: int, budget: int, max_model_len: int) -> int:
         """Drafts `request` verifies in its next decode step, given `num_decoding` requests decoding

@@ -323,9 +323,8 @@ def sampling_arrays(rows: list[tuple[Request, list[int]]], num_rows: int, vocab_
     bias_ids = np.zeros((num_rows, MAX_LOGIT_BIAS), np.int32)
     bias_values = np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32)
     for row, (r, before) in enumerate(rows):
-        if r.grammar is not None:
-            assert not before, "requests with a grammar do not speculate"
-            r.grammar.fill_bitmask(bitmask[row])
+        if r.grammar is not None:  # drafts are a prefix the grammar allows (the scheduler checked)
+            r.grammar.fill_bitmask_after(bitmask[row], before)
         if r.params.logit_bias:
             bias_ids[row, :len(r.params.logit_bias)] = list(r.params.logit_bias)
             bias_values[row, :len(r.params.logit_bias)] = list(r.params.logit_bias.values())

@@ -131,17 +131,22 @@ def test_smollm2_copy_tasks_greedy_on_equals_off(smollm2_runner, smollm2_spec_ru
     assert smollm2_spec_runner.num_compilations_after_warmup == 0
 
 
-def test_json_schema_outputs_validate_with_speculation_on(smollm2_spec_runner, smollm2):
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-              "required": ["name", "age"]}
+def test_json_schema_outputs_validate_with_speculation_on(smollm2_runner, smollm2_spec_runner, smollm2):
+    """Constrained requests verify only drafts their grammar allows, each row masked by the grammar
+    after the drafts before it: outputs valid, and equal to those without speculation."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
+                                               "age": {"type": "integer"}}, "required": ["name", "city", "age"]}
     tok = smollm2.tokenizer
-    text = "Extract the person as JSON: Ada Lovelace was 36 years old. Ada Lovelace, 36."
+    text = ('Write this as JSON with the keys name, city and age: {"name": "Ada Lovelace", "city": "London", '
+            '"age": 36}')
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
     constrained = SamplingParams(temperature=0.0, max_tokens=60,
                                  structured_outputs=StructuredOutputsParams(json=schema))
+    requests = [(prompt, constrained), (prompt, greedy(30))]
+    off = run_all(make_engine(smollm2_runner, smollm2, "chunked", **SMOLLM2_LIMITS), requests)
     engine = make_engine(smollm2_spec_runner, smollm2, "chunked", **SMOLLM2_LIMITS, speculative_config=SPEC)
-    outputs = run_all(engine, [(prompt, constrained), (prompt, greedy(40))])
-    value = json.loads(outputs[0].outputs[0].text)
-    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
-    assert outputs[0].metrics.num_draft_tokens == 0  # grammar requests verify no drafts
-    assert engine.drafts.stats.num_draft_tokens > 0  # the other one did, in the same batch
+    on = run_all(engine, requests)
+    value = json.loads(on[0].outputs[0].text)
+    assert set(value) == {"name", "city", "age"} and isinstance(value["age"], int)
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    assert on[0].metrics.num_accepted_tokens > 0  # the constrained request's drafts passed too
