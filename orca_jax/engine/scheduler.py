@@ -152,6 +152,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self._count_decoding()
         for request in self._running_order():
             if request.status != RequestStatus.RUNNING or request.in_flight or budget == 0:
                 continue
@@ -171,12 +172,16 @@ class Scheduler:
             self._admit(out, budget)
         return out
 
+    def _count_decoding(self) -> None:
+        """Requests decoding this step (the draft policy's measure of the batch)."""
+        self._num_decoding = sum(1 for r in self.running if r.status == RequestStatus.RUNNING
+                                 and r.num_uncomputed_tokens == 1)
+
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """The drafts a decoding request verifies this step (none while it prefills)."""
         if self.drafts is None or request.num_uncomputed_tokens != 1:
             return []
-        num_decoding = sum(1 for r in self.running if r.status == RequestStatus.RUNNING and r.num_uncomputed_tokens == 1)
-        k = self.drafts.num_drafts(request, num_decoding, budget, self.max_model_len)
+        k = self.drafts.num_drafts(request, self._num_decoding, budget, self.max_model_len)
         drafts = request.draft_token_ids[:k]
         if request.grammar is not None:  # only drafts the grammar allows: no violation can be accepted
             drafts = drafts[:request.grammar.valid_prefix(drafts)]
@@ -259,7 +264,7 @@ class Scheduler:
     def update_after_step(self, out: SchedulerOutput, sampled: dict[str, StepTokens]) -> list[Request]:
         """Advances computed-token counts and appends the new tokens (`sampled` maps request id ->
         its StepTokens for the requests whose `samples` is true). Returns the requests that got
-        tokens; the engine may take back those after a stop (`truncate_outputs`)."""
+        tokens; the engine drops those after a stop among them."""
         advanced = []
         for planned in out.scheduled:
             request = planned.request
@@ -333,6 +338,7 @@ class StaticScheduler(Scheduler):
                 self._plan(out, request, request.num_uncomputed_tokens)
             return out
         budget = self.config.max_num_batched_tokens - len(self.running)
+        self._count_decoding()
         for request in self.running:
             if request.finished:
                 out.num_padding_seqs += 1
