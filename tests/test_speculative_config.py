@@ -1,6 +1,7 @@
 """speculative_config (vLLM's shape): TOML table, --speculative-config, LLM(...), and its refusals."""
 
 import argparse
+import json
 
 import pytest
 
@@ -36,8 +37,6 @@ def test_bad_configs_are_refused_naming_the_field(bad, field):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     with pytest.raises(ConfigError, match=field):
-        import json
-
         engine_config(parser.parse_args(["--speculative-config", json.dumps(bad)]))
 
 
