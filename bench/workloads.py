@@ -210,3 +210,67 @@ def describe(lengths: list[tuple[int, int]]) -> str:
     def summary(xs):
         return f"mean {sum(xs) / len(xs):.0f}, p50 {xs[len(xs) // 2]}, max {xs[-1]}"
     return f"{len(lengths)} requests; prompt {summary(prompts)}; output {summary(outputs)}"
+
+
+# ---- copy-heavy workload of the speculative-decoding bench -------------------------------------
+
+COPY_TASKS = ("edit code", "correct text", "extract fields")
+FIRST_NAMES = ["Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "Frances", "John", "Margaret", "Niklaus"]
+LAST_NAMES = ["Lovelace", "Turing", "Hopper", "Dijkstra", "Liskov", "Knuth", "Allen", "Backus", "Hamilton", "Wirth"]
+CITIES = ["London", "Manchester", "New York", "Rotterdam", "Boston", "Stanford", "Zurich", "Cambridge"]
+
+
+def small_functions(max_lines: int = 14) -> list[str]:
+    """Sources of short standard-library Python functions (the code to edit)."""
+    import inspect
+
+    sources = []
+    for name in ["textwrap", "string", "heapq", "statistics", "shutil", "json.encoder", "calendar", "fnmatch"]:
+        module = importlib.import_module(name)
+        for _, function in inspect.getmembers(module, inspect.isfunction):
+            if function.__module__ != module.__name__:
+                continue
+            try:
+                source = inspect.getsource(function)
+            except (OSError, TypeError):
+                continue
+            if 4 <= source.count("\n") <= max_lines:
+                sources.append(source.rstrip())
+    return sources
+
+
+def with_typos(text: str, rng: random.Random, rate: float = 0.15) -> str:
+    """Swaps two inner letters in about `rate` of the words longer than three letters."""
+    words = text.split(" ")
+    for i, word in enumerate(words):
+        if len(word) > 3 and word.isalpha() and rng.random() < rate:
+            j = rng.randrange(1, len(word) - 2)
+            words[i] = word[:j] + word[j + 1] + word[j] + word[j + 2:]
+    return " ".join(words)
+
+
+def copy_heavy_workload(tokenizer, num_requests: int = 12, seed: int = 0, max_tokens: int = 160) -> list[WorkloadRequest]:
+    """Requests whose answers repeat much of their prompt (speculative decoding's best case, as in
+    real use: edit this code, correct this text, extract these fields), as chat prompts, taking
+    turns between the three kinds."""
+    rng = random.Random(seed)
+    functions = small_functions()
+    paragraphs = [p.strip().replace("\n", " ") for p in corpus_text().split("\n\n") if 200 < len(p.strip()) < 500]
+    requests = []
+    for i in range(num_requests):
+        kind = COPY_TASKS[i % len(COPY_TASKS)]
+        if kind == "edit code":
+            content = ("Rename the variables of this Python function to longer, clearer names and write out the "
+                       f"whole function:\n```python\n{rng.choice(functions)}\n```")
+        elif kind == "correct text":
+            content = ("Correct the spelling mistakes in this text and write out the corrected text in full:\n\n"
+                       + with_typos(rng.choice(paragraphs), rng))
+        else:
+            people = [(rng.choice(FIRST_NAMES), rng.choice(LAST_NAMES), rng.choice(CITIES)) for _ in range(6)]
+            records = "\n".join(f"- {first} {last} (id {rng.randrange(1000, 9999)}) lives in {city} and works as an "
+                                f"engineer; email {first.lower()}.{last.lower()}@example.com"
+                                for first, last, city in people)
+            content = ("For each person below, write one line `name, email, city`, nothing else:\n" + records)
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": content}])
+        requests.append(WorkloadRequest(tokenizer.encode(prompt), max_tokens, prompt=prompt))
+    return requests

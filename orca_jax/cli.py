@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="run a benchmark of bench/ (pass its own flags after the name)")
     bench.add_argument("name", choices=BENCHMARKS, help="scheduling (offline, every policy), serving (load "
                        "generator against servers), throughput, attention, parallel (tp x pp layouts), grammar "
-                       "(structured-output engines)")
+                       "(structured-output engines), spec (speculative decoding off vs n-gram)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's flags; see --help after the name")
 
     args = parser.parse_args(argv)
@@ -115,7 +115,7 @@ def _pull_or_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ["scheduling", "serving", "throughput", "attention", "parallel", "grammar"]
+BENCHMARKS = ["scheduling", "serving", "throughput", "attention", "parallel", "grammar", "spec"]
 
 
 def _bench(name: str, bench_args: list[str]) -> int:
@@ -173,6 +173,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="vLLM's flag: defaults for constrained requests, e.g. '{\"disable_additional_properties\": "
                             "false}' lets objects whose schema does not say additionalProperties carry invented "
                             "keys and json_object be unbounded (default true: only the keys a schema lists)")
+    group.add_argument("--speculative-config", type=json_object_arg, metavar="JSON",
+                       help="vLLM's flag: speculative decoding, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                            "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (README, Speculative decoding)")
     hosts = parser.add_argument_group(
         "multi-host (start one process per host with the same flags; process 0 prints or serves, the others "
         "follow it; defaults from $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID)")
@@ -237,6 +240,7 @@ def engine_config(args: argparse.Namespace):
         parallel=override(base.parallel, tensor_parallel_size=args.tensor_parallel_size,
                           pipeline_parallel_size=args.pipeline_parallel_size),
         structured_outputs=_structured_outputs_config(base.structured_outputs, args.structured_outputs_config),
+        speculative_config=_speculative_config(base.speculative_config, args.speculative_config),
     )
 
 
@@ -250,6 +254,17 @@ def json_object_arg(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
     return value
+
+
+def _speculative_config(base, given: dict | None):
+    """--speculative-config over the config file's table, checked as a TOML table is."""
+    import dataclasses
+
+    from orca_jax.config import SpeculativeConfig, from_dict
+
+    if given is None:
+        return base
+    return from_dict(SpeculativeConfig, {**(dataclasses.asdict(base) if base else {}), **given}, "--speculative-config")
 
 
 def _structured_outputs_config(base, given: dict | None):

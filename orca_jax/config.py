@@ -38,6 +38,7 @@ AttentionImpl = Literal["auto", "native", "pallas", "xla"]
 DTypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
 # jax's names (jax.default_matmul_precision); auto = highest for float32 models, default otherwise.
 MatmulPrecision = Literal["auto", "highest", "high", "default"]
+SpeculativeMethod = Literal["ngram", "draft_model"]
 
 
 # The choice lists, defined once: the CLI's choices, the TOML loader's checks and their errors use them.
@@ -56,6 +57,7 @@ def matmul_precision_for(setting: str, model_dtype: str) -> str:
     if setting != "auto":
         return setting
     return "highest" if model_dtype == "float32" else "default"
+SPECULATIVE_METHODS: tuple[str, ...] = typing.get_args(SpeculativeMethod)
 
 
 class ConfigError(ValueError):
@@ -312,6 +314,42 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's speculative_config): each step proposes up to
+    `num_speculative_tokens` draft tokens per decoding request and verifies them in the same forward
+    pass, so one step can emit several tokens. Outputs keep the target model's distribution.
+
+    - "ngram": prompt lookup. The last n tokens of the request (prompt_lookup_max >= n >=
+      prompt_lookup_min) are searched for earlier in its prompt and output; the tokens that followed
+      the latest match are the drafts. Proposed on the device, inside the step.
+    - "draft_model": a smaller model with the target's tokenizer proposes the drafts (`model`).
+    """
+
+    method: SpeculativeMethod = "ngram"
+    num_speculative_tokens: int = 4  # draft tokens per request and step, at most
+    prompt_lookup_max: int = 4  # tokens: the longest suffix n-gram searched (ngram)
+    prompt_lookup_min: int = 2  # tokens: the shortest one that counts as a match (ngram)
+    model: str | None = None  # draft_model: preset name or checkpoint directory
+    # Drafts are given only while fewer requests than this are decoding at once: a larger batch is
+    # compute-bound on a CPU, where every draft row costs as much as a decode (README, "Speculative decoding").
+    disable_by_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        _check_literal(self, "method", SPECULATIVE_METHODS)
+        _check_positive(self, "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                        "disable_by_batch_size")
+        _require(self.prompt_lookup_min <= self.prompt_lookup_max,
+                 f"SpeculativeConfig.prompt_lookup_min={self.prompt_lookup_min} exceeds prompt_lookup_max="
+                 f"{self.prompt_lookup_max}; make prompt_lookup_min <= prompt_lookup_max")
+        if self.method == "draft_model":
+            _require(bool(self.model), "SpeculativeConfig.method='draft_model' needs `model`: the draft model's "
+                                       "preset name or checkpoint directory")
+        else:
+            _require(self.model is None, f"SpeculativeConfig.model={self.model!r} is set but method is "
+                                         f"{self.method!r}; use method 'draft_model' or remove model")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL  # preset name or checkpoint directory
     max_model_len: int | None = None  # tokens per sequence (prompt + output); None: the model's context length
@@ -322,6 +360,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         _check_literal(self, "attention_impl", ATTENTION_IMPL_CHOICES)
@@ -352,7 +391,7 @@ def from_dict(cls: type, data: dict[str, Any], source: str) -> Any:
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in data.items():
-        hint = hints[name]
+        hint = _optional_dataclass(hints[name]) if isinstance(value, dict) else hints[name]
         if dataclasses.is_dataclass(hint):
             kwargs[name] = from_dict(hint, value, f"{source} [{name}]")
         else:
@@ -365,6 +404,14 @@ def from_dict(cls: type, data: dict[str, Any], source: str) -> Any:
     if missing:
         raise ConfigError(f"{source}: missing required key(s) {missing} for {cls.__name__}")
     return cls(**kwargs)
+
+
+def _optional_dataclass(hint: Any) -> Any:
+    """The dataclass of an optional section (`SpeculativeConfig | None`), else the hint itself."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        classes = [k for k in typing.get_args(hint) if dataclasses.is_dataclass(k)]
+        return classes[0] if classes else hint
+    return hint
 
 
 def _check_type(value: Any, hint: Any, where: str) -> Any:

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Sequence, Union
 
-from orca_jax.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from orca_jax.config import (DEFAULT_MODEL, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig,
+                             from_dict)
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
 
@@ -38,6 +39,7 @@ class LLM:
         matmul_precision: str = "auto",
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        speculative_config: dict | SpeculativeConfig | None = None,
         token_buckets: Sequence[int] | None = None,
         seq_buckets: Sequence[int] | None = None,
         show_progress: bool = True,
@@ -48,6 +50,8 @@ class LLM:
         directory. `kv_cache_memory`: bytes of KV cache per device. `token_buckets` / `seq_buckets`
         override the compiled step shapes (default: powers of two up to the limits). `config`: a whole
         EngineConfig (e.g. from a TOML file), used instead of the engine keyword arguments.
+        `speculative_config`: vLLM's dict (or a SpeculativeConfig), e.g. {"method": "ngram",
+        "num_speculative_tokens": 4}; None: no speculative decoding.
         `distributed`: a multihost.DistributedConfig when this process leads others (after
         `multihost.initialize`); the followers run `orca_jax.runner.follower.follow`."""
         from orca_jax.runner.builder import BuildOptions, build_engine
@@ -58,7 +62,8 @@ class LLM:
                                kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
                                kv_cache_dtype=kv_cache_dtype, attention_impl=attention_impl,
                                max_model_len=max_model_len, dtype=dtype, matmul_precision=matmul_precision,
-                               tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
+                               tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                               speculative_config=speculative_config)
             defaults = inspect.signature(LLM.__init__).parameters
             given = sorted(name for name, value in engine_args.items() if value != defaults[name].default)
             if given:
@@ -76,6 +81,8 @@ class LLM:
                                       max_num_batched_tokens=max_num_batched_tokens),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                     pipeline_parallel_size=pipeline_parallel_size),
+            speculative_config=(from_dict(SpeculativeConfig, speculative_config, "speculative_config")
+                                if isinstance(speculative_config, dict) else speculative_config),
         )
         options = BuildOptions(token_buckets=token_buckets, seq_buckets=seq_buckets, show_progress=show_progress)
         self.engine = build_engine(self.config, options, distributed=distributed)

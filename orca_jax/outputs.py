@@ -33,6 +33,8 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0  # served by the prefix cache
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    num_accepted_tokens: int = 0  # of those, accepted (each one a token gained without its own step)
 
     @property
     def time_to_first_token(self) -> float | None:

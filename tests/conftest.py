@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -126,29 +127,41 @@ def smollm2_bf16(smollm2):  # after `smollm2`, which pulls the checkpoint on fir
 
 
 # Runners are compiled once per session and shared by engine and server tests.
-def warm_tiny_runner(tiny_trained, attention_impl, tp=1, pp=1):
+def spec_buckets(buckets, proposer):
+    """With a proposer, two logit-row buckets only (the largest sequence bucket, and all its
+    drafts): fewer programs to compile than the default doublings; small steps pad their rows."""
+    if proposer is None:
+        return buckets
+    return dataclasses.replace(buckets, rows=(buckets.seqs[-1], buckets.seqs[-1] * (1 + proposer.num_speculative_tokens)))
+
+
+def warm_tiny_runner(tiny_trained, attention_impl, tp=1, pp=1, proposer=None):
     from orca_jax.config import ParallelConfig
     from orca_jax.runner.model_runner import ModelRunner
     from orca_jax.engine.step_plan import Buckets
 
+    buckets = Buckets(tokens=(16, 64), seqs=(4, 8))
     runner = ModelRunner(tiny_trained.model, num_pages=160, page_size=4, max_model_len=128,
-                         buckets=Buckets(tokens=(16, 64), seqs=(4, 8)), attention_impl=attention_impl,
-                         parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+                         buckets=spec_buckets(buckets, proposer),
+                         attention_impl=attention_impl,
+                         parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp), proposer=proposer)
     runner.warm_up(show_progress=False)
     return runner
 
 
-def warm_smollm2_runner(smollm2, tp=1, pp=1, kv_cache_dtype="auto", attention_impl="auto"):
+def warm_smollm2_runner(smollm2, tp=1, pp=1, kv_cache_dtype="auto", attention_impl="auto", proposer=None):
     from orca_jax.config import ParallelConfig
     from orca_jax.runner.model_runner import ModelRunner
     from orca_jax.engine.step_plan import Buckets
 
     # "auto": what users get (the native kernel on CPU when it builds), so the reference and
     # batch-invariance tests on the real model cover it, alone and per shard under tp.
+    buckets = Buckets(tokens=(32, 128), seqs=(8,))
     runner = ModelRunner(smollm2.model, num_pages=96, page_size=16, max_model_len=2048,
-                         buckets=Buckets(tokens=(32, 128), seqs=(8,)), attention_impl=attention_impl,
+                         buckets=spec_buckets(buckets, proposer),
+                         attention_impl=attention_impl,
                          parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-                         kv_cache_dtype=kv_cache_dtype)
+                         kv_cache_dtype=kv_cache_dtype, proposer=proposer)
     runner.warm_up(show_progress=False)
     return runner
 
@@ -156,6 +169,31 @@ def warm_smollm2_runner(smollm2, tp=1, pp=1, kv_cache_dtype="auto", attention_im
 @pytest.fixture(scope="session")
 def tiny_runner(tiny_trained):
     return warm_tiny_runner(tiny_trained, "xla")
+
+
+# Speculative decoding's runners: n-gram drafts of up to SPEC_TOKENS, proposed on the device.
+SPEC_TOKENS = 4
+
+
+def spec_proposer():
+    from orca_jax.runner.speculation import NgramProposer
+
+    return NgramProposer(num_speculative_tokens=SPEC_TOKENS, lookup_min=2, lookup_max=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_spec_runner(tiny_trained):
+    return warm_tiny_runner(tiny_trained, "xla", proposer=spec_proposer())
+
+
+@pytest.fixture(scope="session")
+def tiny_spec_pp2_runner(tiny_trained):
+    return warm_tiny_runner(tiny_trained, "xla", pp=2, proposer=spec_proposer())
+
+
+@pytest.fixture(scope="session")
+def smollm2_spec_runner(smollm2):
+    return warm_smollm2_runner(smollm2, proposer=spec_proposer())
 
 
 @pytest.fixture(scope="session")

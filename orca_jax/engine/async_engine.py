@@ -29,6 +29,7 @@ How the threads meet:
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import queue
@@ -38,6 +39,7 @@ from typing import AsyncIterator, Callable
 
 from orca_jax.config import StructuredOutputsConfig
 from orca_jax.engine.engine import LLMEngine, StepFailed
+from orca_jax.engine.speculation import SpeculationStats
 from orca_jax.engine.step_plan import RunnerLost
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
@@ -76,6 +78,7 @@ class EngineStats:
     num_generated_tokens: int = 0
     last_step_num_tokens: int = 0  # tokens computed by the latest iteration
     compilations_after_warmup: int = 0
+    speculation: SpeculationStats | None = None  # with speculative decoding: a copy of its figures
 
 
 _STOP = object()
@@ -211,7 +214,8 @@ class AsyncLLMEngine:
             num_running=scheduler.num_running, num_waiting=len(scheduler.waiting), kv_usage=engine.kv.usage,
             num_preemptions=scheduler.num_preemptions, num_steps=engine.num_steps,
             num_generated_tokens=engine.num_generated_tokens, last_step_num_tokens=engine.last_step_num_tokens,
-            compilations_after_warmup=getattr(engine.runner, "num_compilations_after_warmup", 0))
+            compilations_after_warmup=getattr(engine.runner, "num_compilations_after_warmup", 0),
+            speculation=None if engine.drafts is None else copy.deepcopy(engine.drafts.stats))
 
     def _publish(self) -> None:
         self.stats = self._snapshot()

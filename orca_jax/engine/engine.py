@@ -25,7 +25,8 @@ from orca_jax.engine.kv_manager import KVCacheManager
 from orca_jax.engine.output_processor import OutputProcessor, RequestGroup, Sample
 from orca_jax.engine.request import Request, RequestStatus
 from orca_jax.engine.scheduler import SchedulerOutput, make_scheduler
-from orca_jax.engine.step_plan import Runner, RunnerLost, SampledToken, build_step_plan
+from orca_jax.engine.speculation import DraftPolicy
+from orca_jax.engine.step_plan import Runner, RunnerLost, StepTokens, build_step_plan
 from orca_jax.engine.structured_output import GrammarCompiler, GrammarError
 from orca_jax.outputs import RequestMetrics, RequestOutput
 from orca_jax.sampling_params import MAX_STOP_IDS, SamplingParams
@@ -62,7 +63,14 @@ class LLMEngine:
         self.kv = KVCacheManager(runner.kv_layout.num_pages, config.cache.page_size, config.cache.enable_prefix_caching)
         # With a pipeline of depth d, each step takes about 1/d of the running requests.
         per_step = -(-config.scheduler.max_num_seqs // runner.max_in_flight)
-        self.scheduler = make_scheduler(config.scheduler, self.kv, max_seqs_per_step=per_step)
+        # Speculative decoding needs a runner that proposes as many drafts (built for the same config).
+        spec = config.speculative_config
+        if spec is not None and spec.num_speculative_tokens != runner.kv_layout.num_speculative_tokens:
+            raise ValueError(f"speculative_config asks for {spec.num_speculative_tokens} draft tokens but the runner "
+                             f"was built for {runner.kv_layout.num_speculative_tokens}; build both from one config")
+        self.drafts = None if spec is None else DraftPolicy(spec)
+        self.scheduler = make_scheduler(config.scheduler, self.kv, max_seqs_per_step=per_step, drafts=self.drafts,
+                                        max_model_len=self.max_model_len)
         self.output_processor = OutputProcessor(tokenizer, self.max_model_len)
         self._released_by_abort: dict[str, RequestGroup] = {}  # static batches completed by an abort
         self._ids = itertools.count()
@@ -206,7 +214,7 @@ class LLMEngine:
         self.in_flight.append((scheduled, pending))
         self.in_flight_depths[len(self.in_flight)] += 1
 
-    def _collect_oldest(self) -> tuple[SchedulerOutput, dict[str, SampledToken]]:
+    def _collect_oldest(self) -> tuple[SchedulerOutput, dict[str, StepTokens]]:
         scheduled, pending = self.in_flight.popleft()
         for planned in scheduled.scheduled:
             planned.request.in_flight = False
@@ -218,19 +226,26 @@ class LLMEngine:
             raise self._step_failed(scheduled, error) from error
         return scheduled, sampled
 
-    def _update(self, scheduled: SchedulerOutput, sampled: dict[str, SampledToken],
+    def _update(self, scheduled: SchedulerOutput, sampled: dict[str, StepTokens],
                 touched: dict[str, RequestGroup]) -> None:
         """Advances the step's requests, records their tokens and finishes those that are done."""
         self.num_steps += 1
         self.last_step_num_tokens = scheduled.num_batched_tokens
-        advanced = self.scheduler.update_after_step(scheduled, {rid: s.token for rid, s in sampled.items()})
-        self.num_generated_tokens += len(advanced)
+        advanced = self.scheduler.update_after_step(scheduled, sampled)
         for request in advanced:
             group, sample = self.output_processor.sample(request.request_id)
-            self.output_processor.record(sample, sampled[request.request_id])
-            status = self.output_processor.stop_status(sample)
-            if status is not None:
-                self.output_processor.release(self.scheduler.finish(request, status), touched)
+            new = sampled[request.request_id].tokens
+            # Taken in one at a time, as if generated one per step: a stop among accepted drafts
+            # ends the request there, and the tokens after it are dropped.
+            del request.output_token_ids[len(request.output_token_ids) - len(new):]
+            for token in new:
+                request.output_token_ids.append(token.token)
+                self.num_generated_tokens += 1
+                self.output_processor.record(sample, token)
+                status = self.output_processor.stop_status(sample)
+                if status is not None:
+                    self.output_processor.release(self.scheduler.finish(request, status), touched)
+                    break
             if not self.scheduler.releases_whole_batches:
                 touched[group.request_id] = group
 

@@ -78,6 +78,17 @@ class KVCacheManager:
         request.block_table = []
         self.page_hashes.pop(request.request_id, None)
 
+    def shrink(self, request: Request, num_tokens: int) -> None:
+        """Gives back the request's pages past the first `num_tokens` tokens (pages of rejected
+        draft tokens). They were allocated for this request alone and never hashed: a page is
+        hashed only once all its tokens are computed, and these hold none that are."""
+        keep = self.pages_for(num_tokens)
+        while len(request.block_table) > keep:
+            page = request.block_table.pop()
+            assert self.ref_counts[page] == 1 and page not in self.page_to_hash, f"page {page} is shared"
+            self.ref_counts[page] = 0
+            self.free_pages[page] = None
+
     # ---- prefix caching --------------------------------------------------------------------
     def match_prefix(self, request: Request) -> int:
         """Takes the cached pages that hold a prefix of the request's tokens; returns how many tokens

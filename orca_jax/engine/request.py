@@ -23,6 +23,15 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass
+class SpeculationState:
+    """A request's record of its drafts (engine/speculation.py's estimate of their acceptance)."""
+
+    accepted: int = 0  # drafts accepted
+    trials: int = 0  # drafts accepted, plus one per step whose chain ended in a rejected draft
+    steps_since_probe: int = 0  # decode steps without drafts since the last with
+
+
+@dataclass
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -37,6 +46,10 @@ class Request:
     stop_reason: int | str | None = None  # the stop token or stop string that ended it
     in_flight: bool = False  # in a dispatched step whose result is not back yet: not schedulable
     grammar: Any = None  # structured_output.Grammar when the output is constrained: its state after the outputs
+    # Speculative decoding: drafts the device proposed after this request's latest step (its next
+    # step may verify some of them), and the record of how its drafts fared.
+    draft_token_ids: list[int] = field(default_factory=list)
+    speculation: SpeculationState = field(default_factory=SpeculationState)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -31,6 +31,11 @@ dispatched step is writing its pages). Each step thus plans the requests the oth
 at most `max_seqs_per_step` of them (Orca's batches for its n_workers: the running requests split
 into about pp batches that take turns in the pipeline; without the cap the first step would take
 them all and the other stages would idle).
+
+Speculative decoding (engine/speculation.py): a decoding request may also verify draft tokens the
+device proposed after its previous step; they extend its step (1 + k tokens, KV slots allocated
+for all of them) under the same token budget. After the step only the accepted drafts count as
+computed, and the pages that held nothing but rejected drafts are given back.
 """
 
 from __future__ import annotations
@@ -38,22 +43,29 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from orca_jax.config import SchedulerConfig
 from orca_jax.engine.kv_manager import KVCacheManager
 from orca_jax.engine.request import Request, RequestStatus
+from orca_jax.engine.speculation import DraftPolicy
+
+if TYPE_CHECKING:
+    from orca_jax.engine.step_plan import StepTokens
 
 
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens (drafts included)
     start: int  # request.num_computed_tokens when scheduled
+    draft_token_ids: list[int] = field(default_factory=list)  # verified after the request's last token
+    proposes: bool = False  # the device proposes drafts for the request's next step
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the request's last known token, so a new one is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens
 
 
 @dataclass
@@ -65,6 +77,10 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(s.draft_token_ids) for s in self.scheduled)
 
     @property
     def num_seqs(self) -> int:
@@ -85,10 +101,15 @@ class Scheduler:
     chunks_prompts = False
     # Whether running out of pages preempts a running request (False: reservations rule it out).
     preempts = True
+    # Whether a request's pages are reserved for prompt + max_tokens at admission (not on demand).
+    reserves_whole_requests = False
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_seqs_per_step: int | None = None):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_seqs_per_step: int | None = None,
+                 drafts: DraftPolicy | None = None, max_model_len: int = 0):
         self.config = config
         self.kv = kv
+        self.drafts = drafts  # None: no speculative decoding
+        self.max_model_len = max_model_len  # tokens per request (caps the drafts)
         self.max_seqs_per_step = max_seqs_per_step or config.max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; static: the batch, finished members included
@@ -131,6 +152,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self._count_decoding()
         for request in self._running_order():
             if request.status != RequestStatus.RUNNING or request.in_flight or budget == 0:
                 continue
@@ -139,13 +161,31 @@ class Scheduler:
             # Without chunked prompts, only the recompute of a preempted request can exceed the budget; it
             # continues in budget-sized pieces.
             num_new = min(request.num_uncomputed_tokens, budget)
+            drafts = self._drafts(request, budget - num_new)
+            if drafts and not self.kv.allocate(request, request.num_computed_tokens + num_new + len(drafts)):
+                drafts = []  # short of pages: drafts are the first thing to go, before any preemption
             if not self._allocate_or_preempt(request, num_new, out):
                 continue  # the request itself was preempted
-            budget -= num_new
-            self._plan(out, request, num_new)
+            budget -= num_new + len(drafts)
+            self._plan(out, request, num_new, drafts)
         if not out.preempted:  # admitting right after a preemption would only thrash
             self._admit(out, budget)
         return out
+
+    def _count_decoding(self) -> None:
+        """Requests decoding this step (the draft policy's measure of the batch)."""
+        self._num_decoding = sum(1 for r in self.running if r.status == RequestStatus.RUNNING
+                                 and r.num_uncomputed_tokens == 1)
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """The drafts a decoding request verifies this step (none while it prefills)."""
+        if self.drafts is None or request.num_uncomputed_tokens != 1:
+            return []
+        k = self.drafts.num_drafts(request, self._num_decoding, budget, self.max_model_len)
+        drafts = request.draft_token_ids[:k]
+        if request.grammar is not None:  # only drafts the grammar allows: no violation can be accepted
+            drafts = drafts[:request.grammar.valid_prefix(drafts)]
+        return drafts
 
     def _running_order(self) -> list[Request]:
         """The running requests in the order they claim the token budget: admission order, or with
@@ -178,6 +218,7 @@ class Scheduler:
         self.running.remove(victim)
         self.kv.free(victim)
         victim.num_computed_tokens = 0
+        victim.draft_token_ids = []
         victim.status = RequestStatus.WAITING
         victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -214,26 +255,38 @@ class Scheduler:
             request.metrics.first_scheduled_time = time.monotonic()
         self.running.append(request)
 
-    def _plan(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
-        out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+    def _plan(self, out: SchedulerOutput, request: Request, num_new: int, drafts: list[int] = ()) -> None:
+        proposes = self.drafts is not None
+        out.scheduled.append(ScheduledRequest(request, num_new + len(drafts), request.num_computed_tokens,
+                                              list(drafts), proposes))
 
     # ---- after the step ------------------------------------------------------------------
-    def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advances computed-token counts and appends sampled tokens (`sampled` maps request id ->
-        token for the requests whose `samples` is true). Returns the requests that got a token."""
+    def update_after_step(self, out: SchedulerOutput, sampled: dict[str, StepTokens]) -> list[Request]:
+        """Advances computed-token counts and appends the new tokens (`sampled` maps request id ->
+        its StepTokens for the requests whose `samples` is true). Returns the requests that got
+        tokens; the engine drops those after a stop among them."""
         advanced = []
         for planned in out.scheduled:
             request = planned.request
             if request.finished:
                 continue  # aborted while its step was in flight: its pages are already freed
-            request.num_computed_tokens = planned.start + planned.num_new_tokens
+            result = sampled[request.request_id] if planned.samples else None
+            # Rejected drafts' K/V are written but do not count: the next step overwrites them.
+            num_rejected = len(planned.draft_token_ids) - (result.num_accepted if result else 0)
+            request.num_computed_tokens = planned.start + planned.num_new_tokens - num_rejected
             # Only now is their K/V written, so only now may other requests share these pages.
             self.kv.cache_full_pages(request, request.num_computed_tokens)
-            if planned.samples:
-                request.output_token_ids.append(sampled[request.request_id])
-                if request.metrics.first_token_time is None:
-                    request.metrics.first_token_time = time.monotonic()
-                advanced.append(request)
+            if result is None:
+                continue
+            request.output_token_ids.extend(t.token for t in result.tokens)
+            if not self.reserves_whole_requests:  # pages that held only rejected drafts go back
+                self.kv.shrink(request, request.num_tokens)
+            request.draft_token_ids = result.next_drafts if planned.proposes else []
+            if self.drafts is not None:
+                self.drafts.record(request, len(planned.draft_token_ids), result.num_accepted)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = time.monotonic()
+            advanced.append(request)
         return advanced
 
 
@@ -251,6 +304,7 @@ class OrcaScheduler(Scheduler):
     """The Orca paper: every iteration, FCFS, while a reservation of prompt + max_tokens fits."""
 
     preempts = False
+    reserves_whole_requests = True
 
     def _reservation(self, request: Request, cached: int, num_new: int) -> int:
         return request.max_total_tokens
@@ -260,6 +314,7 @@ class StaticScheduler(Scheduler):
     """Request-level batching (the FasterTransformer baseline): see the module docstring."""
 
     releases_whole_batches = True
+    reserves_whole_requests = True
 
     def schedule(self) -> SchedulerOutput:
         """Request-level batching: admit a batch into an empty engine, prefill all of its prompts
@@ -282,11 +337,15 @@ class StaticScheduler(Scheduler):
                 budget -= request.num_uncomputed_tokens
                 self._plan(out, request, request.num_uncomputed_tokens)
             return out
+        budget = self.config.max_num_batched_tokens - len(self.running)
+        self._count_decoding()
         for request in self.running:
             if request.finished:
                 out.num_padding_seqs += 1
             else:
-                self._plan(out, request, request.num_uncomputed_tokens)
+                drafts = self._drafts(request, budget)  # the reservation holds them (they stop at max_tokens)
+                budget -= len(drafts)
+                self._plan(out, request, request.num_uncomputed_tokens, drafts)
         return out
 
     def _release_finished(self, request: Request) -> list[Request]:
@@ -307,6 +366,7 @@ POLICIES: dict[str, type[Scheduler]] = {
 }
 
 
-def make_scheduler(config: SchedulerConfig, kv: KVCacheManager, max_seqs_per_step: int | None = None) -> Scheduler:
+def make_scheduler(config: SchedulerConfig, kv: KVCacheManager, max_seqs_per_step: int | None = None,
+                   drafts: DraftPolicy | None = None, max_model_len: int = 0) -> Scheduler:
     """The scheduler of the config's policy."""
-    return POLICIES[config.policy](config, kv, max_seqs_per_step)
+    return POLICIES[config.policy](config, kv, max_seqs_per_step, drafts, max_model_len)

@@ -6,7 +6,14 @@ a follower process can run the leader's plan as it is (multi-host) and a mock ru
 for the model. The engine builds it, once per step, from the scheduler's output:
 
     scheduler ──SchedulerOutput──> engine ──build_step_plan──> StepPlan ──runner.dispatch──> device
-    engine    <──{request id: SampledToken}── runner.collect <── the step's one small result
+    engine    <──{request id: StepTokens}── runner.collect <── the step's one small result
+
+Speculative decoding (README, "Speculative decoding"): a decoding request with k draft tokens
+computes 1 + k tokens, and each of them gets a logit row, so a plan has one logit row per sequence
+plus one per draft: the sampler's arrays are [R] rows (R = S without drafts). A row's token is
+what the target samples there; the drafts the target agrees with, in order, are accepted
+(`SpeculationArrays` tells the device which row checks which draft), and the step returns the
+accepted drafts, the token after them, and the next step's drafts, proposed on the device.
 
 The runner puts the plan on the devices as two pytrees: the attention metadata with the token ids
 (runner/model_runner.py's StepInputs) and `SamplingArrays`, the numpy twin of the sampler's SamplingMetadata.
@@ -47,6 +54,25 @@ def power_of_two_buckets(low: int, high: int) -> tuple[int, ...]:
 class Buckets:
     tokens: tuple[int, ...]
     seqs: tuple[int, ...]
+    # Logit rows (a sequence's row plus one per draft token) when speculating; () means `seqs`.
+    rows: tuple[int, ...] = ()
+
+    @property
+    def row_buckets(self) -> tuple[int, ...]:
+        return self.rows or self.seqs
+
+    def with_draft_rows(self, num_speculative_tokens: int) -> "Buckets":
+        """These buckets plus logit-row buckets up to every sequence with all its drafts: the
+        sequence buckets, then doublings of the largest up to max_num_seqs * (1 + k)."""
+        largest = self.seqs[-1] * (1 + num_speculative_tokens)
+        more = tuple(b for b in power_of_two_buckets(self.seqs[-1], largest) if b > self.seqs[-1])
+        return dataclasses.replace(self, rows=self.seqs + more)
+
+    def pick_rows(self, num_rows: int) -> int:
+        r = next((b for b in self.row_buckets if b >= num_rows), None)
+        if r is None:
+            raise ValueError(f"step of {num_rows} logit rows exceeds the buckets {self}")
+        return r
 
     @classmethod
     def for_limits(cls, max_num_batched_tokens: int, max_num_seqs: int) -> "Buckets":
@@ -78,6 +104,12 @@ class KVLayout:
     # Rows of every step's block tables, KV lengths and last-token indices (the largest sequence
     # bucket): the same in every step, so the layers' programs depend on the token bucket only.
     max_num_seqs: int
+    num_speculative_tokens: int = 0  # draft tokens a sequence may verify per step (0: no speculation)
+
+    @property
+    def max_logit_rows(self) -> int:
+        """Logit rows of every step's layers program: every sequence with all its drafts."""
+        return self.max_num_seqs * (1 + self.num_speculative_tokens)
 
     @property
     def scratch_slot(self) -> int:
@@ -115,6 +147,27 @@ class SamplingArrays:
 
 
 @dataclasses.dataclass
+class SpeculationArrays:
+    """What a speculating runner's device needs to verify drafts and propose the next ones
+    (runner/speculation.py). Rows [R] are logit rows; [S_max] rows are sequences."""
+
+    row_draft: np.ndarray  # [R] int32: the draft token the row's sample is checked against; -1: none
+    row_first: np.ndarray  # [R] int32: the first logit row of the row's sequence
+    row_seq: np.ndarray  # [R] int32: the row's sequence; padding: S_max (out of range)
+    seq_first_row: np.ndarray  # [S_max] int32: each sequence's first logit row
+    seq_history_len: np.ndarray  # [S_max] int32: tokens before the drafts (prompt + accepted outputs)
+    seq_proposes: np.ndarray  # [S_max] bool: propose drafts for this sequence's next step
+    any_proposes: np.bool_
+
+    @classmethod
+    def empty(cls, num_rows: int, max_num_seqs: int) -> "SpeculationArrays":
+        return cls(row_draft=np.full(num_rows, -1, np.int32), row_first=np.arange(num_rows, dtype=np.int32),
+                   row_seq=np.full(num_rows, max_num_seqs, np.int32),
+                   seq_first_row=np.zeros(max_num_seqs, np.int32), seq_history_len=np.zeros(max_num_seqs, np.int32),
+                   seq_proposes=np.zeros(max_num_seqs, bool), any_proposes=np.bool_(False))
+
+
+@dataclasses.dataclass
 class StepPlan:
     """One step's device inputs, padded to the bucket (T tokens, S sequences). Picklable."""
 
@@ -124,12 +177,13 @@ class StepPlan:
     slot_mapping: np.ndarray  # [T] cache slot each new K/V goes to; padding: the scratch slot
     block_tables: np.ndarray  # [S_max, max_pages] int32 (S_max = KVLayout.max_num_seqs)
     kv_lens: np.ndarray  # [S_max] cached tokens per sequence after this step
-    logits_index: np.ndarray  # [S_max] last token of each sequence
-    sampling: SamplingArrays  # [S] rows
-    # Leader only: the request of every row, and (row, top logprobs asked or None) for every row
-    # that samples a token.
+    logits_index: np.ndarray  # [R_max] the token of each logit row (R_max = KVLayout.max_logit_rows)
+    sampling: SamplingArrays  # [R] rows: without drafts one per sequence, so R = S
+    speculation: SpeculationArrays | None = None  # a speculating runner's plans only
+    # Leader only: the request of every sequence row, and (sequence row, its first logit row, the
+    # drafts it verifies, top logprobs asked or None) for every sequence that samples a token.
     request_ids: list[str] = dataclasses.field(default_factory=list)
-    sample_rows: list[tuple[int, int | None]] = dataclasses.field(default_factory=list)
+    sample_rows: list[tuple[int, int, list[int], int | None]] = dataclasses.field(default_factory=list)
     num_real_tokens: int = 0  # tokens before padding
     num_padding_seqs: int = 0  # static policy: finished members that still take a row (and a token)
 
@@ -143,6 +197,20 @@ class SampledToken:
     token: int
     logprob: float
     top: tuple[list[int], list[float]] | None  # top-N ids and logprobs, when the request asked
+
+
+@dataclasses.dataclass
+class StepTokens:
+    """A request's result of one step: its new tokens (the accepted drafts, then the target's own
+    token), the number of drafts it verified, and the drafts proposed for its next step."""
+
+    tokens: list[SampledToken]
+    num_drafts: int = 0
+    next_drafts: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.tokens) - 1
 
 
 class RunnerLost(RuntimeError):
@@ -160,15 +228,16 @@ class Runner(Protocol):
     def dispatch(self, plan: StepPlan) -> Any:
         """Starts the step without waiting for it; returns a handle for `collect`."""
 
-    def collect(self, pending: Any) -> dict[str, SampledToken]:
-        """Waits for a dispatched step; the sampled token of every request whose step reached its end."""
+    def collect(self, pending: Any) -> dict[str, StepTokens]:
+        """Waits for a dispatched step; the new tokens of every request whose step reached its end."""
 
 
-def padding_plan(num_tokens: int, num_seqs: int, kv: KVLayout, vocab_size: int,
-                 requests: Sequence[Request] = ()) -> StepPlan:
-    """A plan of one bucket's shape, all padding (tokens out of every segment, writing only to the
-    scratch slot), with the sampling parameters of `requests` in its first rows. Warm-up runs it as
-    it is; `build_step_plan` fills in the real rows."""
+def padding_plan(num_tokens: int, num_rows: int, kv: KVLayout, vocab_size: int,
+                 rows: Sequence[tuple[Request, list[int]]] = ()) -> StepPlan:
+    """A plan of one bucket's shape (T tokens, R logit rows), all padding (tokens out of every
+    segment, writing only to the scratch slot), with the sampling parameters of `rows` (a request
+    and the drafts before the row) in its first rows. Warm-up runs it as it is; `build_step_plan`
+    fills in the real rows."""
     return StepPlan(
         token_ids=np.zeros(num_tokens, np.int32),
         positions=np.zeros(num_tokens, np.int32),
@@ -176,31 +245,48 @@ def padding_plan(num_tokens: int, num_seqs: int, kv: KVLayout, vocab_size: int,
         slot_mapping=np.full(num_tokens, kv.scratch_slot, np.int32),
         block_tables=np.zeros((kv.max_num_seqs, kv.max_pages_per_seq), np.int32),
         kv_lens=np.zeros(kv.max_num_seqs, np.int32),
-        logits_index=np.zeros(kv.max_num_seqs, np.int32),
-        sampling=sampling_arrays(list(requests), num_seqs, vocab_size),
+        logits_index=np.zeros(kv.max_logit_rows, np.int32),
+        sampling=sampling_arrays(list(rows), num_rows, vocab_size),
+        speculation=SpeculationArrays.empty(num_rows, kv.max_num_seqs) if kv.num_speculative_tokens else None,
     )
 
 
 def build_step_plan(out: SchedulerOutput, buckets: Buckets, kv: KVLayout, vocab_size: int) -> StepPlan:
     # Static batches keep finished members as padding rows: they cost compute, as in FasterTransformer.
-    num_tokens, num_seqs = buckets.pick(out.num_batched_tokens + out.num_padding_seqs, out.num_seqs)
-    plan = padding_plan(num_tokens, num_seqs, kv, vocab_size, [p.request for p in out.scheduled])
-    t = 0
-    for row, planned in enumerate(out.scheduled):
-        request, n, start = planned.request, planned.num_new_tokens, planned.start
+    num_tokens, _ = buckets.pick(out.num_batched_tokens + out.num_padding_seqs, out.num_seqs)
+    num_rows = buckets.pick_rows(out.num_seqs + out.num_draft_tokens)
+    rows = [(p.request, p.draft_token_ids[:i]) for p in out.scheduled for i in range(1 + len(p.draft_token_ids))]
+    plan = padding_plan(num_tokens, num_rows, kv, vocab_size, rows)
+    spec = plan.speculation
+    t = r = 0
+    for seq, planned in enumerate(out.scheduled):
+        request, n, start, drafts = planned.request, planned.num_new_tokens, planned.start, planned.draft_token_ids
+        k = len(drafts)
         plan.request_ids.append(request.request_id)
         pos = np.arange(start, start + n, dtype=np.int32)
         table = np.asarray(request.block_table, np.int32)
-        plan.token_ids[t:t + n] = request.token_ids_between(start, start + n)
+        plan.token_ids[t:t + n - k] = request.token_ids_between(start, start + n - k)
+        plan.token_ids[t + n - k:t + n] = drafts
         plan.positions[t:t + n] = pos
-        plan.segment_ids[t:t + n] = row
+        plan.segment_ids[t:t + n] = seq
         plan.slot_mapping[t:t + n] = table[pos // kv.page_size] * kv.page_size + pos % kv.page_size
-        plan.block_tables[row, :len(table)] = table
-        plan.kv_lens[row] = start + n
-        plan.logits_index[row] = t + n - 1
+        plan.block_tables[seq, :len(table)] = table
+        plan.kv_lens[seq] = start + n
+        # The sequence's logit rows: its last real token, then each draft (row i checks draft i).
+        plan.logits_index[r:r + 1 + k] = np.arange(t + n - 1 - k, t + n, dtype=np.int32)
+        if spec is not None:
+            spec.row_draft[r:r + k] = drafts
+            spec.row_first[r:r + 1 + k] = r
+            spec.row_seq[r:r + 1 + k] = seq
+            spec.seq_first_row[seq] = r
+            spec.seq_history_len[seq] = start + n - k
+            spec.seq_proposes[seq] = planned.samples and planned.proposes
         if planned.samples:
-            plan.sample_rows.append((row, request.params.logprobs))
+            plan.sample_rows.append((seq, r, drafts, request.params.logprobs))
         t += n
+        r += 1 + k
+    if spec is not None:
+        spec.any_proposes = np.bool_(spec.seq_proposes.any())
     plan.num_real_tokens = out.num_batched_tokens
     plan.num_padding_seqs = out.num_padding_seqs
     return plan
@@ -211,17 +297,21 @@ def bitmask_width(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
-def sampling_arrays(requests: list[Request], num_seqs: int, vocab_size: int) -> SamplingArrays:
-    """Per-request sampling parameters as [S] arrays, so no combination of parameters recompiles."""
+def sampling_arrays(rows: list[tuple[Request, list[int]]], num_rows: int, vocab_size: int) -> SamplingArrays:
+    """Per-row sampling parameters as [R] arrays, so no combination of parameters recompiles. A
+    row is a request and the drafts before it: it samples the request's output token number
+    len(outputs) + len(drafts), as if the drafts were already its outputs."""
+    requests = [r for r, _ in rows]
+
     def column(get, dtype, fill):
-        values = np.full(num_seqs, fill, dtype)
-        values[:len(requests)] = [get(r) for r in requests]
+        values = np.full(num_rows, fill, dtype)
+        values[:len(rows)] = [get(r, before) for r, before in rows]
         return values
 
-    stop_ids = np.full((num_seqs, MAX_STOP_IDS), -1, np.int32)
-    suppress = np.zeros(num_seqs, bool)
-    for row, r in enumerate(requests):
-        if len(r.output_token_ids) < r.params.min_tokens:
+    stop_ids = np.full((num_rows, MAX_STOP_IDS), -1, np.int32)
+    suppress = np.zeros(num_rows, bool)
+    for row, (r, before) in enumerate(rows):
+        if len(r.output_token_ids) + len(before) < r.params.min_tokens:
             ids = list(r.params.stop_token_ids)
             if not r.params.ignore_eos and r.eos_token_id is not None:
                 ids.append(r.eos_token_id)
@@ -229,35 +319,35 @@ def sampling_arrays(requests: list[Request], num_seqs: int, vocab_size: int) -> 
             suppress[row] = True
     # Every step ships the bitmask and the bias arrays (small, fixed shapes): rows without a
     # constraint are all ones / zero bias, and the sampler skips the work when no row has one.
-    bitmask = np.full((num_seqs, bitmask_width(vocab_size)), -1, np.int32)
-    bias_ids = np.zeros((num_seqs, MAX_LOGIT_BIAS), np.int32)
-    bias_values = np.zeros((num_seqs, MAX_LOGIT_BIAS), np.float32)
-    for row, r in enumerate(requests):
-        if r.grammar is not None:
-            r.grammar.fill_bitmask(bitmask[row])
+    bitmask = np.full((num_rows, bitmask_width(vocab_size)), -1, np.int32)
+    bias_ids = np.zeros((num_rows, MAX_LOGIT_BIAS), np.int32)
+    bias_values = np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32)
+    for row, (r, before) in enumerate(rows):
+        if r.grammar is not None:  # drafts are a prefix the grammar allows (the scheduler checked)
+            r.grammar.fill_bitmask_after(bitmask[row], before)
         if r.params.logit_bias:
             bias_ids[row, :len(r.params.logit_bias)] = list(r.params.logit_bias)
             bias_values[row, :len(r.params.logit_bias)] = list(r.params.logit_bias.values())
     use_penalties = any(r.params.uses_penalties for r in requests)
     counts = seen = None
     if use_penalties:
-        counts = np.zeros((num_seqs, vocab_size), np.int32)
-        seen = np.zeros((num_seqs, vocab_size), bool)
-        for row, r in enumerate(requests):
+        counts = np.zeros((num_rows, vocab_size), np.int32)
+        seen = np.zeros((num_rows, vocab_size), bool)
+        for row, (r, before) in enumerate(rows):
             if r.params.uses_penalties:
-                counts[row] = np.bincount(r.output_token_ids, minlength=vocab_size)
+                counts[row] = np.bincount(r.output_token_ids + before, minlength=vocab_size)
                 seen[row, r.prompt_token_ids] = True
                 seen[row] |= counts[row] > 0
     return SamplingArrays(
-        temperature=column(lambda r: r.params.temperature, np.float32, 0.0),
-        top_k=column(lambda r: r.params.top_k, np.int32, 0),
-        top_p=column(lambda r: r.params.top_p, np.float32, 1.0),
-        min_p=column(lambda r: r.params.min_p, np.float32, 0.0),
-        repetition_penalty=column(lambda r: r.params.repetition_penalty, np.float32, 1.0),
-        presence_penalty=column(lambda r: r.params.presence_penalty, np.float32, 0.0),
-        frequency_penalty=column(lambda r: r.params.frequency_penalty, np.float32, 0.0),
-        seeds=column(lambda r: (r.seed ^ (r.seed >> 32)) & 0xFFFFFFFF, np.uint32, 0),
-        token_index=column(lambda r: len(r.output_token_ids), np.int32, 0),
+        temperature=column(lambda r, _: r.params.temperature, np.float32, 0.0),
+        top_k=column(lambda r, _: r.params.top_k, np.int32, 0),
+        top_p=column(lambda r, _: r.params.top_p, np.float32, 1.0),
+        min_p=column(lambda r, _: r.params.min_p, np.float32, 0.0),
+        repetition_penalty=column(lambda r, _: r.params.repetition_penalty, np.float32, 1.0),
+        presence_penalty=column(lambda r, _: r.params.presence_penalty, np.float32, 0.0),
+        frequency_penalty=column(lambda r, _: r.params.frequency_penalty, np.float32, 0.0),
+        seeds=column(lambda r, _: (r.seed ^ (r.seed >> 32)) & 0xFFFFFFFF, np.uint32, 0),
+        token_index=column(lambda r, before: len(r.output_token_ids) + len(before), np.int32, 0),
         stop_ids=stop_ids,
         suppress_stop=suppress,
         output_counts=counts,
@@ -272,10 +362,23 @@ def sampling_arrays(requests: list[Request], num_seqs: int, vocab_size: int) -> 
     )
 
 
-def sampled_tokens(plan: StepPlan, tokens, logprob, top_ids, top_logprobs) -> dict[str, SampledToken]:
-    """The step's host result ([S] arrays) back to the requests that asked for a token."""
-    sampled = {}
-    for row, num_top in plan.sample_rows:
+def step_tokens(plan: StepPlan, tokens, logprob, top_ids, top_logprobs, accepted=None, drafts=None,
+                num_drafts=None) -> dict[str, StepTokens]:
+    """The step's host result back to the requests that asked for tokens: [R] per logit row
+    (`accepted`: the row's draft was accepted; None without speculation), [S_max] per sequence
+    (`drafts` [S_max, k] proposed for the next step, `num_drafts` of them valid)."""
+    def token(row: int, num_top: int | None, value: int | None = None) -> SampledToken:
         top = None if num_top is None else (top_ids[row, :num_top].tolist(), top_logprobs[row, :num_top].tolist())
-        sampled[plan.request_ids[row]] = SampledToken(token=int(tokens[row]), logprob=float(logprob[row]), top=top)
-    return sampled
+        return SampledToken(token=int(tokens[row]) if value is None else value, logprob=float(logprob[row]), top=top)
+
+    result = {}
+    for seq, first, verified, num_top in plan.sample_rows:
+        num_accepted = 0
+        while num_accepted < len(verified) and accepted[first + num_accepted]:
+            num_accepted += 1
+        # The accepted drafts (the rows that drew them), then the first row's token that was not one.
+        new = [token(first + i, num_top, verified[i]) for i in range(num_accepted)]
+        new.append(token(first + num_accepted, num_top))
+        proposed = [] if drafts is None else drafts[seq, :num_drafts[seq]].tolist()
+        result[plan.request_ids[seq]] = StepTokens(new, len(verified), proposed)
+    return result

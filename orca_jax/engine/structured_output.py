@@ -55,6 +55,21 @@ class Grammar:
         """Advances past a sampled token (always one the bitmask allowed)."""
         self._matcher.consume_token(token)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` (draft tokens) the grammar allows in a row from here; changes nothing."""
+        return self._matcher.validate_tokens(tokens) if tokens else 0
+
+    def fill_bitmask_after(self, row: np.ndarray, tokens: list[int]) -> None:
+        """The bitmask of the state after `tokens` (drafts before a verifying row; a valid prefix),
+        leaving the grammar where it was."""
+        if not tokens:
+            return self.fill_bitmask(row)
+        self._matcher.consume_tokens(tokens)
+        try:
+            self.fill_bitmask(row)
+        finally:
+            self._matcher.rollback(len(tokens))
+
     @property
     def finished(self) -> bool:
         """Complete, and nothing but EOS may follow (or the matcher failed: generating on is pointless)."""

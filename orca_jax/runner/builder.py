@@ -18,6 +18,7 @@ from orca_jax.checkpoint.store import LoadedModel, load_model, read_model_config
 from orca_jax.config import ConfigError, EngineConfig
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.runner.model_runner import ModelRunner
+from orca_jax.runner.speculation import NgramProposer
 from orca_jax.engine.step_plan import Buckets
 from orca_jax.parallel.memory_plan import plan_memory
 from orca_jax.parallel.multihost import DistributedConfig
@@ -78,11 +79,23 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
                          max_model_len=max_model_len, buckets=bucket_set(config, options),
                          attention_impl=config.attention_impl, parallel=config.parallel, devices=devices,
                          step_timeout=None if distributed is None else distributed.step_timeout,
-                         kv_cache_dtype=config.cache.kv_cache_dtype, matmul_precision=config.matmul_precision)
+                         kv_cache_dtype=config.cache.kv_cache_dtype, matmul_precision=config.matmul_precision,
+                         proposer=proposer_of(config))
     if options.show_progress:
         print(f"orca_jax: {model_config.name}, policy {config.scheduler.policy}, {runner.describe()}\n"
               f"{plan.one_line()}", file=sys.stderr)
     return runner, loaded, max_model_len
+
+
+def proposer_of(config: EngineConfig) -> NgramProposer | None:
+    """The device's draft proposer for the config's speculative decoding (None: none)."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    if spec.method != "ngram":
+        raise ConfigError(f"speculative_config.method={spec.method!r} is not implemented yet; use 'ngram' "
+                          "(README, Speculative decoding)")
+    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
 
 def run_dtype(setting: str, stored: str, platform: str) -> str:
@@ -99,7 +112,7 @@ def bucket_set(config: EngineConfig, options: BuildOptions) -> Buckets:
     limits = config.scheduler
     buckets = Buckets.for_limits(limits.max_num_batched_tokens, limits.max_num_seqs)
     if not (options.token_buckets or options.seq_buckets):
-        return buckets
+        return with_draft_rows(buckets, config)
     buckets = Buckets(tokens=tuple(sorted(options.token_buckets or buckets.tokens)),
                       seqs=tuple(sorted(options.seq_buckets or buckets.seqs)))
     if buckets.tokens[-1] != limits.max_num_batched_tokens or buckets.seqs[-1] != limits.max_num_seqs:
@@ -107,5 +120,10 @@ def bucket_set(config: EngineConfig, options: BuildOptions) -> Buckets:
             f"the largest buckets must equal the limits: tokens {buckets.tokens} must end at "
             f"max_num_batched_tokens={limits.max_num_batched_tokens}, seqs {buckets.seqs} at "
             f"max_num_seqs={limits.max_num_seqs}")
-    return buckets
+    return with_draft_rows(buckets, config)
+
+
+def with_draft_rows(buckets: Buckets, config: EngineConfig) -> Buckets:
+    spec = config.speculative_config
+    return buckets if spec is None else buckets.with_draft_rows(spec.num_speculative_tokens)
 

@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 
 from orca_jax.config import ConfigError, ParallelConfig, kv_page_dtype, matmul_precision_for
 from orca_jax.runner.compile_cache import ExecutableStore, enable_compilation_cache
-from orca_jax.engine.step_plan import Buckets, KVLayout, RunnerLost, SampledToken, StepPlan, padding_plan, sampled_tokens
+from orca_jax.engine.step_plan import Buckets, KVLayout, RunnerLost, StepPlan, StepTokens, padding_plan, step_tokens
 from orca_jax.model.attention import AttentionMetadata
 from orca_jax.model.decoder import Decoder, DecoderStage
 from orca_jax.model.paged_attention import resolve_attention_impl
@@ -54,6 +54,8 @@ from orca_jax.sampling_params import MAX_LOGPROBS
 from orca_jax.parallel import kv_cache_sharding, param_shardings, stage_meshes
 from orca_jax.parallel.layout import check_parallel, kv_heads_for_tp, stage_layer_ranges
 from orca_jax.parallel.tensor_parallel import replicate_kv_heads, sharded_paged_attention
+from orca_jax.runner.speculation import (NgramProposer, SpeculationMetadata, SpeculativeOutput, verify_and_propose,
+                                         write_tokens)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ class StepInputs:
 
     token_ids: Int[Array, " T"]
     attention: AttentionMetadata  # positions, segment ids, slots; block tables and KV lengths [S_max]
-    logits_index: Int[Array, " S_max"]
+    logits_index: Int[Array, " R_max"]
 
     @classmethod
     def of(cls, plan: StepPlan) -> "StepInputs":
@@ -101,12 +103,15 @@ class Stage:
     local: bool  # this process owns the stage's devices; otherwise the three fields below are empty
     params: Any = None  # nnx.State of the stage's DecoderStage, sharded by the logical-axis rules
     kv_caches: list = dataclasses.field(default_factory=list)  # one (k_pages, v_pages) per layer
-    # jitted (params, kv_caches, x, inputs) -> (activations [T, D], or from the last stage those of
-    # each sequence's last token [S_max, D]; kv_caches)
+    # A speculating runner's last stage: the token id of every KV slot [P + 1, page] (speculation.py)
+    token_pages: Any = None
+    # jitted (params, kv_caches, token_pages, x, inputs) -> (activations [T, D], or from the last
+    # stage those of each logit row's token [R_max, D]; kv_caches; token_pages)
     layers_program: Callable | None = None
-    # the last stage's jitted (params, last-token activations [S_max, D], sampling [S]) -> SamplerOutput
+    # the last stage's jitted (params, logit-row activations [R_max, D], sampling [R], speculation,
+    # token_pages) -> SamplerOutput, or SpeculativeOutput when speculating
     head_program: Callable | None = None
-    # ("layers", T) or ("head", S) -> the compiled program, filled by warm-up
+    # ("layers", T) or ("head", R) -> the compiled program, filled by warm-up
     executables: dict = dataclasses.field(default_factory=dict)
 
 
@@ -115,7 +120,7 @@ class Pending:
     """A dispatched step: its plan and the device arrays of its result (not yet copied back)."""
 
     plan: StepPlan
-    result: SamplerOutput
+    result: SamplerOutput | SpeculativeOutput
 
 
 class ModelRunner:
@@ -134,6 +139,7 @@ class ModelRunner:
         executable_store: ExecutableStore | None = None,
         kv_cache_dtype: str = "auto",
         matmul_precision: str = "auto",
+        proposer: NgramProposer | None = None,
     ):
         """`attention_impl`: "auto", "native", "xla", "pallas" or "pallas-interpret", resolved here
         for the devices' platform. `devices` (default: all of jax.devices(), every process's) are split
@@ -141,14 +147,21 @@ class ModelRunner:
         before raising RunnerLost (multi-host only; warm-up allows ten times as long). Compiled
         programs are kept in `executable_store` (default: under $ORCA_JAX_COMPILATION_CACHE). KV pages
         are kept in `kv_cache_dtype` ("auto": the model's dtype). Every program is traced with
-        `matmul_precision` (config.matmul_precision_for: "auto" is full precision for float32 models)."""
+        `matmul_precision` (config.matmul_precision_for: "auto" is full precision for float32 models).
+        `proposer`: speculative decoding's n-gram drafts (speculation.py); `buckets` then need logit-row
+        buckets (`with_draft_rows`)."""
         enable_compilation_cache()
         config = model.config
         check_parallel(config, parallel)
         meshes = stage_meshes(parallel, devices)
         self.config = config
         self.parallel = parallel
-        self.kv_layout = KVLayout(num_pages, page_size, -(-max_model_len // page_size), buckets.seqs[-1])
+        self.proposer = proposer
+        num_drafts = proposer.num_speculative_tokens if proposer else 0
+        if proposer and buckets.row_buckets[-1] < buckets.seqs[-1] * (1 + num_drafts):
+            raise ConfigError(f"speculating with {num_drafts} drafts needs logit-row buckets up to "
+                              f"{buckets.seqs[-1] * (1 + num_drafts)}; build them with Buckets.with_draft_rows")
+        self.kv_layout = KVLayout(num_pages, page_size, -(-max_model_len // page_size), buckets.seqs[-1], num_drafts)
         self.executable_store = executable_store or ExecutableStore.default()
         self.kv_dtype = jnp.dtype(kv_page_dtype(kv_cache_dtype, config.dtype))
         self.matmul_precision = matmul_precision_for(matmul_precision, config.dtype)
@@ -200,21 +213,33 @@ class ModelRunner:
         zeros = jax.jit(lambda: jnp.zeros(kv_shape, self.kv_dtype), out_shardings=kv_sharding)
         attention = sharded_paged_attention(self.attention_impl, mesh)
 
-        def run_layers(params, kv_caches, x, inputs: StepInputs):
+        def run_layers(params, kv_caches, token_pages, x, inputs: StepInputs):
             stage = nnx.merge(graphdef, params)
-            return stage(inputs.token_ids if first else x, inputs.attention, kv_caches, inputs.logits_index, attention)
+            x, kv_caches = stage(inputs.token_ids if first else x, inputs.attention, kv_caches, inputs.logits_index,
+                                 attention)
+            if token_pages is not None:
+                token_pages = write_tokens(token_pages, inputs.token_ids, inputs.attention.slot_mapping)
+            return x, kv_caches, token_pages
 
-        def run_head(params, last_tokens, sampling: SamplingMetadata):
-            num_seqs = sampling.temperature.shape[0]  # the sequence bucket: only its rows get logits
-            return sample(nnx.merge(graphdef, params).logits(last_tokens[:num_seqs]), sampling)
+        def run_head(params, row_tokens, sampling: SamplingMetadata, speculation: SpeculationMetadata | None,
+                     token_pages):
+            num_rows = sampling.temperature.shape[0]  # the row bucket: only its rows get logits
+            sampled = sample(nnx.merge(graphdef, params).logits(row_tokens[:num_rows]), sampling)
+            if speculation is None:
+                return sampled
+            return verify_and_propose(self.proposer, token_pages, sampled, speculation)
 
         # Pinning output placements keeps the donated caches' sharding identical across steps, so a
         # step's outputs are always valid inputs of the next.
-        layers_program = jax.jit(run_layers, donate_argnums=(1,), out_shardings=(replicated, kv_sharding))
+        token_pages = None
+        if last and self.proposer is not None:
+            token_pages = jax.device_put(jnp.zeros(kv_shape[:2], jnp.int32), replicated)
+        layers_program = jax.jit(run_layers, donate_argnums=(1, 2),
+                                 out_shardings=(replicated, kv_sharding, None if token_pages is None else replicated))
         head_program = jax.jit(run_head, out_shardings=replicated) if last else None
         return Stage(index, layers, mesh, replicated, first, last, local=True, params=params,
-                     kv_caches=[(zeros(), zeros()) for _ in layers], layers_program=layers_program,
-                     head_program=head_program)
+                     kv_caches=[(zeros(), zeros()) for _ in layers], token_pages=token_pages,
+                     layers_program=layers_program, head_program=head_program)
 
     @property
     def num_pages(self) -> int:
@@ -231,13 +256,14 @@ class ModelRunner:
     def layout_key(self) -> str:
         """Everything the processes of one model must agree on (multi-host checks it at start-up)."""
         return repr((self.config, self.parallel, self.kv_layout, self.kv_dtype.name, self.buckets,
-                     self.attention_impl, self.matmul_precision))
+                     self.attention_impl, self.matmul_precision, self.proposer))
 
     def describe(self) -> str:
         tp, pp = self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
         stages = ", ".join(f"layers {s.layers.start}-{s.layers.stop - 1} on {[d.id for d in s.mesh.devices.flat]}"
                            for s in self.stages)
-        return f"tp {tp} x pp {pp} ({stages}), attention {self.attention_impl}, KV pages {self.kv_dtype.name}"
+        drafts = "" if self.proposer is None else f", n-gram drafts of up to {self.proposer.num_speculative_tokens}"
+        return f"tp {tp} x pp {pp} ({stages}), attention {self.attention_impl}, KV pages {self.kv_dtype.name}{drafts}"
 
     # ---- compilation ---------------------------------------------------------------------
     def warm_up(self, show_progress: bool = True) -> float:
@@ -245,14 +271,14 @@ class ModelRunner:
         on several processes also opens each transfer between them. Returns seconds taken."""
         start = time.perf_counter()
         self.compile_programs(show_progress)
-        plan = padding_plan(self.buckets.tokens[0], self.buckets.seqs[0], self.kv_layout, self.config.vocab_size)
+        plan = padding_plan(self.buckets.tokens[0], self.buckets.row_buckets[0], self.kv_layout, self.config.vocab_size)
         self._wait(self.run_plan(plan), 10 * self.step_timeout if self.step_timeout else None)
         elapsed = time.perf_counter() - start
         self.stats = RunnerStats()
         if show_progress:
             loaded = self.executable_store.loaded
             print(f"warm-up: {len(self.buckets.tokens)} token buckets {list(self.buckets.tokens)} + "
-                  f"{len(self.buckets.seqs)} sequence buckets {list(self.buckets.seqs)} x {len(self.stages)} "
+                  f"{len(self.buckets.row_buckets)} row buckets {list(self.buckets.row_buckets)} x {len(self.stages)} "
                   f"stage(s) ready in {elapsed:.1f} s ({loaded} program(s) loaded from "
                   f"{self.executable_store.directory}, the others compiled)", file=sys.stderr)
         return elapsed
@@ -261,8 +287,8 @@ class ModelRunner:
         """Every program a step can call, for the stages this process owns, ahead of time. A
         follower process calls only this: the leader's padding step reaches it as a plan."""
         programs = [(stage, "layers", t) for stage in self.stages if stage.local for t in self.buckets.tokens]
-        programs += [(stage, "head", s) for stage in self.stages if stage.local and stage.last
-                     for s in self.buckets.seqs]
+        programs += [(stage, "head", r) for stage in self.stages if stage.local and stage.last
+                     for r in self.buckets.row_buckets]
         for stage, name, size in tqdm(programs, desc="compiling", disable=not show_progress, leave=False):
             stage.executables[name, size] = self._compile(stage, name, size)
         self._warmed_up = True
@@ -270,19 +296,21 @@ class ModelRunner:
     def _compile(self, stage: Stage, name: str, size: int):
         if name == "layers":
             placed = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=stage.replicated)  # noqa: E731
-            plan = padding_plan(size, self.buckets.seqs[0], self.kv_layout, self.config.vocab_size)
+            plan = padding_plan(size, self.buckets.row_buckets[0], self.kv_layout, self.config.vocab_size)
             inputs = jax.tree.map(lambda a: placed(a.shape, a.dtype), StepInputs.of(plan))
             x = None if stage.first else placed((size, self.config.d_model), jnp.dtype(self.config.dtype))
-            args, program = (stage.params, stage.kv_caches, x, inputs), stage.layers_program
-            out_tree = jax.tree.structure((0, stage.kv_caches))
+            args, program = (stage.params, stage.kv_caches, stage.token_pages, x, inputs), stage.layers_program
+            out_tree = jax.tree.structure((0, stage.kv_caches, stage.token_pages))
         else:
             plan = padding_plan(self.buckets.tokens[0], size, self.kv_layout, self.config.vocab_size)
-            last_tokens = jax.ShapeDtypeStruct((self.kv_layout.max_num_seqs, self.config.d_model),
-                                               jnp.dtype(self.config.dtype), sharding=stage.replicated)
-            args, program = (stage.params, last_tokens, self._sampling_metadata(plan, stage)), stage.head_program
-            out_tree = jax.tree.structure(SamplerOutput(0, 0, 0, 0))
+            row_tokens = jax.ShapeDtypeStruct((self.kv_layout.max_logit_rows, self.config.d_model),
+                                              jnp.dtype(self.config.dtype), sharding=stage.replicated)
+            args = (stage.params, row_tokens, self._sampling_metadata(plan, stage),
+                    self._speculation_metadata(plan, stage), stage.token_pages)
+            program = stage.head_program
+            out_tree = jax.tree.structure(_result_shapes(size, self.kv_layout))
         return self.executable_store.load_or_compile(
-            f"{name}{size}-stage{stage.index}", args, repr((self.config, self.attention_impl, self.matmul_precision)),
+            f"{name}{size}-stage{stage.index}", args, repr((self.config, self.attention_impl, self.matmul_precision, self.proposer)),
             lambda: self.lower(program, args), out_tree, list(stage.mesh.devices.flat))
 
     def lower(self, program, args):
@@ -306,7 +334,7 @@ class ModelRunner:
         return self._compilations_after_warmup
 
     # ---- one step ------------------------------------------------------------------------
-    def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
+    def execute(self, plan: StepPlan) -> dict[str, StepTokens]:
         """Runs one step and waits for it (dispatch + collect)."""
         return self.collect(self.dispatch(plan))
 
@@ -321,14 +349,19 @@ class ModelRunner:
         self.stats.device_s += time.perf_counter() - start
         return Pending(plan, result)
 
-    def collect(self, pending: Pending) -> dict[str, SampledToken]:
-        """Waits for a dispatched step and copies back its result: the step's one device -> host copy."""
+    def collect(self, pending: Pending) -> dict[str, StepTokens]:
+        """Waits for a dispatched step and copies back its result: the step's one device -> host copy
+        (with speculation the next drafts ride in it: proposing adds none)."""
         start = time.perf_counter()
         result = self._wait(pending.result, self.step_timeout)
         self.stats.device_s += time.perf_counter() - start
-        return sampled_tokens(pending.plan, result.tokens, result.logprob, result.top_ids, result.top_logprobs)
+        if isinstance(result, SpeculativeOutput):
+            s = result.sampled
+            return step_tokens(pending.plan, s.tokens, s.logprob, s.top_ids, s.top_logprobs, result.accepted,
+                               result.drafts, result.num_drafts)
+        return step_tokens(pending.plan, result.tokens, result.logprob, result.top_ids, result.top_logprobs)
 
-    def _wait(self, result: SamplerOutput, timeout: float | None):
+    def _wait(self, result, timeout: float | None):
         if self._waiter is None:
             return jax.device_get(result)
         try:
@@ -339,7 +372,7 @@ class ModelRunner:
         except jax.errors.JaxRuntimeError as error:
             raise RunnerLost(f"a follower process failed: {error}") from error
 
-    def run_plan(self, plan: StepPlan) -> SamplerOutput:
+    def run_plan(self, plan: StepPlan) -> SamplerOutput | SpeculativeOutput:
         """Dispatches a plan through every stage; returns the result on the leader's devices (on a
         follower: a placeholder, its data on the leader)."""
         if not self.multi_process:
@@ -353,8 +386,8 @@ class ModelRunner:
             # every transfer: one process failing its part leaves them out of step for good.
             raise RunnerLost(f"process {jax.process_index()} failed a step the others are running: {error}") from error
 
-    def _run_stages(self, plan: StepPlan) -> SamplerOutput:
-        num_tokens, num_seqs = plan.bucket
+    def _run_stages(self, plan: StepPlan) -> SamplerOutput | SpeculativeOutput:
+        num_tokens, num_rows = plan.bucket
         x = None
         for stage in self.stages:
             if not stage.first:  # the previous stage's activations, to this stage's devices
@@ -363,19 +396,21 @@ class ModelRunner:
             if stage.local:
                 x = self._last_local_output = self.run_stage(stage, plan, x)
         if self.multi_process:
-            x = self._move(x, self.stages[-1], self.stages[0].replicated, _result_shapes(num_seqs))
+            x = self._move(x, self.stages[-1], self.stages[0].replicated, _result_shapes(num_rows, self.kv_layout))
         return x
 
     def run_stage(self, stage: Stage, plan: StepPlan, x):
         """A local stage's programs on the plan and the previous stage's activations `x` (None for
         the first stage): returns the activations for the next stage, or the sampled tokens."""
-        num_tokens, num_seqs = plan.bucket
+        num_tokens, num_rows = plan.bucket
         # The compiled programs take their inputs exactly where they were compiled for: on every
         # device of the stage.
         inputs = jax.device_put(StepInputs.of(plan), stage.replicated)
-        x, stage.kv_caches = self._program(stage, "layers", num_tokens)(stage.params, stage.kv_caches, x, inputs)
+        x, stage.kv_caches, stage.token_pages = self._program(stage, "layers", num_tokens)(
+            stage.params, stage.kv_caches, stage.token_pages, x, inputs)
         if stage.last:
-            x = self._program(stage, "head", num_seqs)(stage.params, x, self._sampling_metadata(plan, stage))
+            x = self._program(stage, "head", num_rows)(stage.params, x, self._sampling_metadata(plan, stage),
+                                                       self._speculation_metadata(plan, stage), stage.token_pages)
         return x
 
     def _move(self, value, source: Stage, destination: NamedSharding, shapes):
@@ -404,6 +439,12 @@ class ModelRunner:
             fields["output_counts"], fields["seen_tokens"] = self._zero_penalty_arrays(plan.bucket[1], stage)
         return jax.device_put(SamplingMetadata(**fields), stage.replicated)
 
+    def _speculation_metadata(self, plan: StepPlan, stage: Stage) -> SpeculationMetadata | None:
+        if plan.speculation is None:
+            return None
+        return jax.device_put(SpeculationMetadata(**vars(plan.speculation), block_tables=plan.block_tables),
+                              stage.replicated)
+
     def _zero_penalty_arrays(self, num_seqs: int, stage: Stage) -> tuple[jax.Array, jax.Array]:
         """Kept on device per bucket, so steps without penalties never ship [S, V] arrays."""
         if num_seqs not in self._zero_penalties:
@@ -414,11 +455,16 @@ class ModelRunner:
         return self._zero_penalties[num_seqs]
 
 
-def _result_shapes(num_seqs: int) -> SamplerOutput:
-    """The shapes of the sampler's output for `num_seqs` rows (placeholders between processes)."""
+def _result_shapes(num_rows: int, kv: KVLayout) -> SamplerOutput | SpeculativeOutput:
+    """The shapes of the head's output for `num_rows` logit rows (placeholders between processes)."""
     def shape(*dims, dtype):
         return jax.ShapeDtypeStruct(dims, jnp.dtype(dtype))
 
-    return SamplerOutput(tokens=shape(num_seqs, dtype=jnp.int32), logprob=shape(num_seqs, dtype=jnp.float32),
-                         top_ids=shape(num_seqs, MAX_LOGPROBS, dtype=jnp.int32),
-                         top_logprobs=shape(num_seqs, MAX_LOGPROBS, dtype=jnp.float32))
+    sampled = SamplerOutput(tokens=shape(num_rows, dtype=jnp.int32), logprob=shape(num_rows, dtype=jnp.float32),
+                            top_ids=shape(num_rows, MAX_LOGPROBS, dtype=jnp.int32),
+                            top_logprobs=shape(num_rows, MAX_LOGPROBS, dtype=jnp.float32))
+    if not kv.num_speculative_tokens:
+        return sampled
+    return SpeculativeOutput(sampled=sampled, accepted=shape(num_rows, dtype=bool),
+                             drafts=shape(kv.max_num_seqs, kv.num_speculative_tokens, dtype=jnp.int32),
+                             num_drafts=shape(kv.max_num_seqs, dtype=jnp.int32))

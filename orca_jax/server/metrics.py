@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from orca_jax.engine.async_engine import EngineStats
+from orca_jax.engine.speculation import SpeculationStats
 from orca_jax.outputs import RequestMetrics
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -48,6 +49,24 @@ class _EngineCollector:
                     ("orca_jax_generation_tokens", "Tokens generated", stats.num_generated_tokens))
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        if stats.speculation is not None:
+            yield from _speculation_metrics(stats.speculation)
+
+
+def _speculation_metrics(spec: SpeculationStats):
+    """vLLM's spec_decode_* counters: the mean acceptance length is 1 + accepted / drafts, the
+    acceptance rate accepted / draft tokens, and per position the share of drafts that got that far."""
+    counters = (("orca_jax_spec_decode_num_drafts", "Request steps that verified draft tokens", spec.num_drafts),
+                ("orca_jax_spec_decode_num_draft_tokens", "Draft tokens verified", spec.num_draft_tokens),
+                ("orca_jax_spec_decode_num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens))
+    for name, doc, value in counters:
+        yield CounterMetricFamily(name, doc, value=value)
+    per_position = CounterMetricFamily("orca_jax_spec_decode_num_accepted_tokens_per_pos",
+                                       "Draft tokens accepted, by position in the draft (0: the first)",
+                                       labels=["position"])
+    for position, value in enumerate(spec.accepted_per_position):
+        per_position.add_metric([str(position)], value)
+    yield per_position
 
 
 class ServerMetrics:

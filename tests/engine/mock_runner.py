@@ -11,14 +11,21 @@ Scheduling tests inspect the scheduler's decisions with `record_schedules`.
 
 import numpy as np
 
-from orca_jax.engine.step_plan import Buckets, KVLayout, SampledToken
+from orca_jax.engine.step_plan import Buckets, KVLayout, SampledToken, StepTokens
 
 
 class MockRunner:
     def __init__(self, num_pages: int, page_size: int, vocab_size: int = 1000, max_in_flight: int = 1, *,
-                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int = 4096):
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int = 4096,
+                 num_speculative_tokens: int = 0, propose=None):
+        """With `num_speculative_tokens`, `propose(token)` gives the drafts proposed after a
+        sequence's newest token (default: the right continuation, all accepted)."""
         self.buckets = Buckets.for_limits(max_num_batched_tokens, max_num_seqs)
-        self.kv_layout = KVLayout(num_pages, page_size, -(-max_model_len // page_size), self.buckets.seqs[-1])
+        if num_speculative_tokens:
+            self.buckets = self.buckets.with_draft_rows(num_speculative_tokens)
+        self.kv_layout = KVLayout(num_pages, page_size, -(-max_model_len // page_size), self.buckets.seqs[-1],
+                                  num_speculative_tokens)
+        self.propose = propose or (lambda token: [(token + 1 + i) % vocab_size for i in range(num_speculative_tokens)])
         self.vocab_size = vocab_size
         self.max_in_flight = max_in_flight
         self.plans = []
@@ -32,9 +39,15 @@ class MockRunner:
         self.plans.append(plan)
         self.pending.append(plan)
         sampled = {}
-        for row, _ in plan.sample_rows:
-            token = (int(plan.token_ids[plan.logits_index[row]]) + 1) % self.vocab_size
-            sampled[plan.request_ids[row]] = SampledToken(token=token, logprob=0.0, top=None)
+        for seq, first, drafts, _ in plan.sample_rows:
+            tokens = []
+            for i in range(len(drafts) + 1):  # the target's token at each row; stop at the first miss
+                token = (int(plan.token_ids[plan.logits_index[first + i]]) + 1) % self.vocab_size
+                tokens.append(SampledToken(token=token, logprob=0.0, top=None))
+                if i == len(drafts) or token != drafts[i]:
+                    break
+            next_drafts = self.propose(tokens[-1].token) if self.kv_layout.num_speculative_tokens else []
+            sampled[plan.request_ids[seq]] = StepTokens(tokens, len(drafts), next_drafts)
         return plan, sampled
 
     def collect(self, pending):

@@ -1,0 +1,121 @@
+"""Speculative decoding on the device: token history, verification of drafts, n-gram proposals.
+
+Token history. Beside its KV pages, the last pipeline stage keeps `token_pages` [P + 1, page]: the
+token id of every cached K/V slot, written by the layers program at the step's `slot_mapping` (the
+same slots as the K/V). A request's history is thus its block table read through `token_pages`;
+pages shared through the prefix cache carry their tokens with them, preemption and recompute
+rewrite them, and nothing is ever copied to the host to propose drafts.
+
+Verification. A speculating sequence's logit rows are its last real token and then each draft; the
+sampler draws every row's token as if the drafts before it were already outputs (randomness keyed
+by seed and token index). Draft i is accepted when the token drawn at its row equals it, and all
+drafts before it were accepted. With a point-mass proposal (an n-gram, or a greedy draft model)
+this is rejection sampling under the coupling that shares the row's randomness: the draft is
+accepted with probability p(draft), and when it is not, the drawn token follows p with the draft
+removed, renormalised, which is the residual distribution (p - q)+ of Leviathan et al. (2023). The
+output thus has the target's distribution exactly, and a seeded request gives the very tokens it
+gives without speculation, alone or batched. Greedy rows (argmax) are the exact-match special case.
+
+Proposal (prompt lookup, vLLM's "ngram"). After verification each proposing sequence's history ends
+with its new token. The last n tokens (n from prompt_lookup_max down to prompt_lookup_min) are
+looked for earlier in the history; at the latest match of the longest n, the up to k tokens that
+followed it are the next step's drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+from orca_jax.model.sampler import SamplerOutput
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpeculationMetadata:
+    """engine/step_plan.SpeculationArrays on the device, with the step's block tables."""
+
+    row_draft: Int[Array, " R"]
+    row_first: Int[Array, " R"]
+    row_seq: Int[Array, " R"]
+    seq_first_row: Int[Array, " S_max"]
+    seq_history_len: Int[Array, " S_max"]
+    seq_proposes: Bool[Array, " S_max"]
+    any_proposes: Bool[Array, ""]
+    block_tables: Int[Array, "S_max P_seq"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpeculativeOutput:
+    sampled: SamplerOutput  # [R]: the token drawn at every logit row
+    accepted: Bool[Array, " R"]  # the row's draft was accepted
+    drafts: Int[Array, "S_max K"]  # proposed for each sequence's next step
+    num_drafts: Int[Array, " S_max"]  # how many of them are valid (0: no match)
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramProposer:
+    num_speculative_tokens: int  # k
+    lookup_min: int
+    lookup_max: int
+
+
+def write_tokens(token_pages: Int[Array, "P page"], token_ids: Int[Array, " T"],
+                 slot_mapping: Int[Array, " T"]) -> Int[Array, "P page"]:
+    """Records each new token at its K/V slot (padding writes to the scratch page)."""
+    return token_pages.reshape(-1).at[slot_mapping].set(token_ids).reshape(token_pages.shape)
+
+
+def accepted_rows(tokens: Int[Array, " R"], m: SpeculationMetadata) -> Bool[Array, " R"]:
+    """A row's draft is accepted when the row drew it and every earlier row of its sequence was
+    accepted too (the sequence's drafts are a chain: after the first miss none count)."""
+    match = tokens == m.row_draft  # a row without a draft (-1) never matches
+    misses = jnp.cumsum(~match)
+    misses_before_sequence = misses[m.row_first] - (~match[m.row_first]).astype(misses.dtype)
+    return match & (misses == misses_before_sequence)
+
+
+def propose(proposer: NgramProposer, token_pages: Int[Array, "P page"], tokens: Int[Array, " R"],
+            accepted: Bool[Array, " R"], m: SpeculationMetadata) -> tuple[Int[Array, "S K"], Int[Array, " S"]]:
+    """The next step's drafts of every proposing sequence, from its history on the device."""
+    num_seqs = m.block_tables.shape[0]
+    rows = jnp.arange(num_seqs)
+    num_accepted = jax.ops.segment_sum(accepted.astype(jnp.int32), m.row_seq, num_segments=num_seqs)
+    new_token = tokens[m.seq_first_row + num_accepted]  # the first row that was not accepted drew it
+    history = token_pages[m.block_tables].reshape(num_seqs, -1)  # [S, M] positions 0..M-1
+    length = m.seq_history_len + num_accepted  # positions < length are in the pages
+    history = history.at[rows, length].set(new_token, mode="drop")
+    last = length  # the newest token's position: the history is positions 0..last
+    max_len = history.shape[1]
+    ends = jnp.arange(max_len)[None, :]  # candidate match ends e: history[e - n + 1 .. e] == suffix
+    best_end = jnp.full(num_seqs, -1)
+    matching = jnp.ones_like(history, dtype=bool)
+    for j in range(proposer.lookup_max):
+        shifted = jnp.pad(history, ((0, 0), (j, 0)), constant_values=-1)[:, :max_len]  # history[e - j]
+        wanted = jnp.where(last - j >= 0, jnp.take_along_axis(history, jnp.maximum(last - j, 0)[:, None], 1)[:, 0], -2)
+        matching = matching & (shifted == wanted[:, None])
+        if j + 1 >= proposer.lookup_min:
+            # A match must end before the newest token, so that at least one token follows it.
+            found = jnp.max(jnp.where(matching & (ends < last[:, None]), ends, -1), axis=1)
+            best_end = jnp.where(found >= 0, found, best_end)  # longer n-grams override shorter ones
+    offsets = best_end[:, None] + 1 + jnp.arange(proposer.num_speculative_tokens)[None, :]
+    valid = (best_end[:, None] >= 0) & (offsets <= last[:, None]) & m.seq_proposes[:, None]
+    drafts = jnp.take_along_axis(history, jnp.minimum(offsets, max_len - 1), 1)
+    return jnp.where(valid, drafts, -1).astype(jnp.int32), valid.sum(axis=1).astype(jnp.int32)
+
+
+def verify_and_propose(proposer: NgramProposer, token_pages, sampled: SamplerOutput,
+                       m: SpeculationMetadata) -> SpeculativeOutput:
+    accepted = accepted_rows(sampled.tokens, m)
+    num_seqs, k = m.block_tables.shape[0], proposer.num_speculative_tokens
+
+    def no_proposals(*_):
+        return jnp.full((num_seqs, k), -1, jnp.int32), jnp.zeros(num_seqs, jnp.int32)
+
+    drafts, num_drafts = jax.lax.cond(m.any_proposes, lambda *a: propose(proposer, *a), no_proposals,
+                                      token_pages, sampled.tokens, accepted, m)
+    return SpeculativeOutput(sampled=sampled, accepted=accepted, drafts=drafts, num_drafts=num_drafts)

@@ -1,0 +1,152 @@
+"""Speculative decoding's host side with the mock runner (tests/engine/mock_runner.py): drafts in
+the plan, acceptance, KV pages of rejected drafts, stops among accepted drafts, the draft policy."""
+
+import pytest
+
+from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from orca_jax.engine.engine import LLMEngine
+from orca_jax.engine.speculation import PROBE_INTERVAL
+from orca_jax.sampling_params import SamplingParams
+
+from .mock_runner import MockRunner, record_schedules
+from .test_scheduler import MODEL, POLICIES, VOCAB, expected_output, mixed_workload, run
+
+K = 3
+
+
+def right_drafts(token):
+    return [(token + 1 + i) % VOCAB for i in range(K)]
+
+
+def half_right_drafts(token):
+    """The first draft right, then a wrong one: one accepted per step, and a rejection."""
+    return [(token + 1) % VOCAB, (token + 7) % VOCAB, (token + 3) % VOCAB]
+
+
+def wrong_drafts(token):
+    return [(token + 5 + i) % VOCAB for i in range(K)]
+
+
+def spec_engine(policy, propose=right_drafts, *, depth=1, num_pages=64, page_size=4, max_num_seqs=4,
+                max_num_batched_tokens=64, prefix_caching=False, disable_by_batch_size=8):
+    config = EngineConfig(
+        model="mock",
+        cache=CacheConfig(page_size=page_size, enable_prefix_caching=prefix_caching),
+        scheduler=SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        speculative_config=SpeculativeConfig(num_speculative_tokens=K, disable_by_batch_size=disable_by_batch_size),
+    )
+    runner = MockRunner(num_pages, page_size, VOCAB, max_in_flight=depth, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens, num_speculative_tokens=K, propose=propose)
+    engine = LLMEngine(config, MODEL, runner, tokenizer=None)
+    engine.schedules = record_schedules(engine)
+    return engine
+
+
+def long_workload(n=6):
+    return [([(11 * i + j) % VOCAB for j in range(2 + i)], 12 + 3 * i) for i in range(n)]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("propose", [right_drafts, half_right_drafts, wrong_drafts])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_outputs_are_those_without_drafts_and_every_page_comes_back(policy, propose, depth):
+    engine = spec_engine(policy, propose, depth=depth)
+    workload = mixed_workload() + long_workload()
+    outputs, _ = run(engine, workload)
+    for (prompt, max_tokens), out in zip(workload, outputs):
+        assert out.outputs[0].token_ids == expected_output(prompt, max_tokens)
+        assert out.outputs[0].finish_reason == "length"
+    assert engine.kv.num_free_pages == engine.kv.num_pages
+    stats = engine.drafts.stats
+    assert stats.num_draft_tokens > 0
+    accepted = sum(o.metrics.num_accepted_tokens for o in outputs)
+    assert accepted == stats.num_accepted_tokens
+    if propose is wrong_drafts:
+        assert accepted == 0
+    else:
+        assert accepted > 0
+    assert engine.num_generated_tokens == sum(m for _, m in workload)
+
+
+def test_right_drafts_take_fewer_steps_than_no_drafts():
+    workload = long_workload()
+    with_drafts = spec_engine("chunked", right_drafts)
+    run(with_drafts, workload)
+    without = spec_engine("chunked", lambda token: [])
+    run(without, workload)
+    assert with_drafts.num_steps < 0.6 * without.num_steps
+    assert without.drafts.stats.num_draft_tokens == 0
+
+
+@pytest.mark.parametrize("policy", ["paged", "chunked"])
+def test_preemption_with_drafts_in_flight_keeps_outputs_and_frees_every_page(policy):
+    engine = spec_engine(policy, half_right_drafts, depth=2, num_pages=12, max_num_seqs=6, max_num_batched_tokens=32)
+    requests = [([(5 * i + j) % VOCAB for j in range(6)], 14) for i in range(6)]
+    outputs, _ = run(engine, requests)
+    for (prompt, max_tokens), out in zip(requests, outputs):
+        assert out.outputs[0].token_ids == expected_output(prompt, max_tokens)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.drafts.stats.num_draft_tokens > 0
+    assert engine.kv.num_free_pages == engine.kv.num_pages
+
+
+def test_abort_with_drafts_in_flight_frees_every_page():
+    engine = spec_engine("paged", half_right_drafts, depth=2)
+    ids = [engine.add_request(list(p), SamplingParams(max_tokens=m, temperature=0)) for p, m in long_workload(4)]
+    aborted_in_flight = 0
+    for step in range(200):
+        engine.step()
+        held = {s.request.request_id for out, _ in engine.in_flight for s in out.scheduled if s.draft_token_ids}
+        for request_id in ids[:2]:
+            if request_id in held and engine.abort(request_id):
+                aborted_in_flight += 1
+        if not engine.has_unfinished_requests():
+            break
+    assert aborted_in_flight == 2
+    assert engine.kv.num_free_pages == engine.kv.num_pages
+
+
+def test_rejected_drafts_never_enter_the_prefix_cache():
+    """A page's worth of wrong drafts per step: if their slots counted as computed, pages of
+    them would be hashed and served to the next request with the same prompt."""
+    engine = spec_engine("paged", wrong_drafts, page_size=2, prefix_caching=True, max_num_seqs=1)
+    prompt = [3, 4, 5]
+    outputs, _ = run(engine, [(prompt, 9), (prompt + expected_output(prompt, 9), 3)])
+    assert outputs[0].outputs[0].token_ids == expected_output(prompt, 9)
+    assert engine.drafts.stats.num_draft_tokens > 0
+    real = outputs[1].prompt_token_ids + outputs[1].outputs[0].token_ids  # extends the first request's tokens
+    kv = engine.kv
+    probe = type("Probe", (), {"request_id": "probe", "token_ids_between": lambda self, a, b: real[a:b]})()
+    real_hashes = kv._page_hashes(probe, len(real) // kv.page_size)  # the chained hashes of the real pages
+    assert kv.hash_to_page and set(kv.hash_to_page) <= set(real_hashes)
+    assert outputs[1].metrics.num_cached_prompt_tokens > 0  # the real pages were cached and shared
+
+
+def test_a_stop_token_among_accepted_drafts_ends_the_output_there():
+    engine = spec_engine("chunked", right_drafts)
+    prompt = [10, 11]
+    ids = [engine.add_request(prompt, SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[19]))]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    out = done[ids[0]].outputs[0]
+    assert out.token_ids == list(range(12, 20)) and out.finish_reason == "stop"
+    assert engine.drafts.stats.num_accepted_tokens > 0
+
+
+def test_no_drafts_at_or_above_disable_by_batch_size():
+    engine = spec_engine("chunked", right_drafts, disable_by_batch_size=3, max_num_seqs=4)
+    run(engine, [([i + 1, i + 2], 4 + 6 * i) for i in range(4)])
+    for plan in engine.schedules:
+        if plan.num_draft_tokens:
+            assert len(plan.scheduled) < 3
+    assert engine.drafts.stats.num_draft_tokens > 0  # once the short requests finished, the rest drafted
+
+
+def test_failing_drafts_drop_to_none_then_probe():
+    engine = spec_engine("chunked", wrong_drafts, max_num_seqs=1)
+    run(engine, [([1, 2], 60)])
+    drafted = [p.num_draft_tokens for p in engine.schedules][1:]  # after the prefill
+    assert drafted[:5] == [3, 1, 1, 1, 0]  # the estimate starts at 3/4: 3/4, 3/5, 3/6, 3/7, 3/8
+    assert sum(drafted) <= 6 + 60 // PROBE_INTERVAL  # then only probes, one draft each
+    assert drafted.count(1) >= 3 + 2
