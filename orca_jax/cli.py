@@ -173,7 +173,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "multi-host (start one process per host with the same flags; process 0 prints or serves, the others "
         "follow it; defaults from $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID)")
     hosts.add_argument("--coordinator-address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
-                       help="host:port of process 0 (steps go out on port + 1)")
+                       help="host:port of process 0: jax.distributed's coordination service, which also carries the steps")
     hosts.add_argument("--num-processes", type=int, default=_env_int("JAX_NUM_PROCESSES"))
     hosts.add_argument("--process-id", type=int, default=_env_int("JAX_PROCESS_ID"))
     hosts.add_argument("--step-timeout", type=float, default=60.0,

@@ -20,7 +20,7 @@ from orca_jax.engine.engine import LLMEngine
 from orca_jax.runner.model_runner import ModelRunner
 from orca_jax.engine.step_plan import Buckets
 from orca_jax.parallel.memory_plan import plan_memory
-from orca_jax.parallel.multihost import DistributedConfig
+from orca_jax.parallel.multihost import DistributedConfig, PlanSender
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,13 +37,11 @@ def build_engine(config: EngineConfig, options: BuildOptions = BuildOptions(),
                  distributed: DistributedConfig | None = None) -> LLMEngine:
     """Loads the model (pulled on first use), checks the layout, sizes the KV cache, compiles every
     bucket and returns the engine. Configuration errors raise before any device program is built. With
-    `distributed` (this process is the leader), the followers must connect before warm-up, which
-    they run in lockstep."""
+    `distributed` (this process is the leader), the followers must show the same layout before
+    warm-up, which they run in lockstep."""
     runner, loaded, max_model_len = build_runner(config, options, loaded, devices, distributed)
     if distributed is not None:
-        from orca_jax.parallel.multihost import PlanSender
-
-        runner.followers = PlanSender(distributed, runner.layout_key())
+        runner.followers = PlanSender(distributed, runner.layout_settings(), runner.last_stage_process)
     runner.warm_up(show_progress=options.show_progress)
     return LLMEngine(config, loaded.config, runner, loaded.tokenizer, max_model_len)
 

@@ -225,10 +225,18 @@ class ModelRunner:
     def max_pages_per_seq(self) -> int:
         return self.kv_layout.max_pages_per_seq
 
-    def layout_key(self) -> str:
-        """Everything the processes of one model must agree on (multi-host checks it at start-up)."""
-        return repr((self.config, self.parallel, self.kv_layout, self.kv_dtype.name, self.buckets,
-                     self.attention_impl))
+    def layout_settings(self) -> dict[str, str]:
+        """Everything the processes of one model must agree on, one entry per setting (multi-host
+        compares them at start-up and names each that differs)."""
+        settings = {"kv_dtype": self.kv_dtype.name, "attention_impl": self.attention_impl}
+        for name, value in (("model", self.config), ("parallel", self.parallel), ("kv_layout", self.kv_layout),
+                            ("buckets", self.buckets)):
+            settings.update({f"{name}.{f.name}": repr(getattr(value, f.name)) for f in dataclasses.fields(value)})
+        return settings
+
+    @property
+    def last_stage_process(self) -> int:
+        return self.stages[-1].mesh.devices.flat[0].process_index
 
     def describe(self) -> str:
         tp, pp = self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
