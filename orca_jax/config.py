@@ -36,6 +36,7 @@ KVCacheDType = Literal["auto", "float32", "bfloat16"]
 SchedulingPolicy = Literal["static", "orca", "paged", "chunked"]  # each a class in engine/scheduler.py's POLICIES
 AttentionImpl = Literal["auto", "native", "pallas", "xla"]
 DTypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
+LoadFormat = Literal["auto", "dummy"]  # auto: the checkpoint's weights; dummy: seeded random ones (vLLM's names)
 
 
 # The choice lists, defined once: the CLI's choices, the TOML loader's checks and their errors use them.
@@ -43,6 +44,7 @@ SCHEDULING_POLICIES: tuple[str, ...] = typing.get_args(SchedulingPolicy)
 ATTENTION_IMPL_CHOICES: tuple[str, ...] = typing.get_args(AttentionImpl)
 DTYPE_CHOICES: tuple[str, ...] = typing.get_args(DTypeSetting)
 KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = typing.get_args(KVCacheDType)
+LOAD_FORMAT_CHOICES: tuple[str, ...] = typing.get_args(LoadFormat)
 
 
 class ConfigError(ValueError):
@@ -308,8 +310,17 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    # Weights and tokenizer (scale-out). "dummy": seeded random weights of the model's shapes (a preset
+    # name, or a checkpoint directory's model.toml), made on each device for its own shard: a layout can
+    # be tried and benchmarked without the weights; outputs are meaningless.
+    load_format: LoadFormat = "auto"
+    dummy_seed: int = 0  # the dummy weights' seed: the same seed, the same weights, whatever the layout
+    tokenizer: str | None = None  # checkpoint name or directory whose tokenizer to use (default: the model's own)
 
     def __post_init__(self) -> None:
+        _check_literal(self, "load_format", LOAD_FORMAT_CHOICES)
+        _require(isinstance(self.dummy_seed, int) and not isinstance(self.dummy_seed, bool) and self.dummy_seed >= 0,
+                 f"EngineConfig.dummy_seed must be a non-negative integer, got {self.dummy_seed!r}")
         _check_literal(self, "attention_impl", ATTENTION_IMPL_CHOICES)
         _check_literal(self, "dtype", DTYPE_CHOICES)
         if self.max_model_len is not None:

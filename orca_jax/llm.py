@@ -37,6 +37,9 @@ class LLM:
         dtype: str = "auto",
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        load_format: str = "auto",
+        dummy_seed: int = 0,
+        tokenizer: str | None = None,
         token_buckets: Sequence[int] | None = None,
         seq_buckets: Sequence[int] | None = None,
         show_progress: bool = True,
@@ -44,7 +47,9 @@ class LLM:
         distributed=None,
     ):
         """`model`: a preset name (pulled on first use if it has published weights) or a checkpoint
-        directory. `kv_cache_memory`: bytes of KV cache per device. `token_buckets` / `seq_buckets`
+        directory. `kv_cache_memory`: bytes of KV cache per device. `load_format="dummy"`: seeded random
+        weights (`dummy_seed`) of the model's shapes, for trying a layout without its weights; `tokenizer`:
+        another checkpoint's tokenizer (name or directory). `token_buckets` / `seq_buckets`
         override the compiled step shapes (default: powers of two up to the limits). `config`: a whole
         EngineConfig (e.g. from a TOML file), used instead of the engine keyword arguments.
         `distributed`: a multihost.DistributedConfig when this process leads others (after
@@ -57,7 +62,8 @@ class LLM:
                                kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
                                kv_cache_dtype=kv_cache_dtype, attention_impl=attention_impl,
                                max_model_len=max_model_len, dtype=dtype,
-                               tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
+                               tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                               load_format=load_format, dummy_seed=dummy_seed, tokenizer=tokenizer)
             defaults = inspect.signature(LLM.__init__).parameters
             given = sorted(name for name, value in engine_args.items() if value != defaults[name].default)
             if given:
@@ -68,6 +74,9 @@ class LLM:
             max_model_len=max_model_len,
             dtype=dtype,
             attention_impl=attention_impl,
+            load_format=load_format,
+            dummy_seed=dummy_seed,
+            tokenizer=tokenizer,
             cache=CacheConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(policy=scheduling_policy, max_num_seqs=max_num_seqs,

@@ -14,7 +14,8 @@ from orca_jax.config import (
     model_preset_names,
 )
 
-REQUIRED_PRESETS = {"tiny", "gpt2-124m", "gpt3-13b", "gpt3-175b", "smollm2-135m-instruct"}
+REQUIRED_PRESETS = {"tiny", "gpt2-124m", "gpt3-13b", "gpt3-175b", "smollm2-135m-instruct", "llama-3-8b", "llama-3-70b",
+                    "tinyllama-1.1b"}
 
 
 def test_presets_load_with_the_published_sizes():
@@ -24,6 +25,9 @@ def test_presets_load_with_the_published_sizes():
     assert round(load_model_preset("smollm2-135m-instruct").num_params() / 1e6) == 135
     assert round(load_model_preset("gpt3-175b").num_params() / 1e9) == 175
     assert round(load_model_preset("gpt3-13b").num_params() / 1e9) == 13
+    assert round(load_model_preset("llama-3-8b").num_params() / 1e8) == 80  # 8.03 B
+    assert round(load_model_preset("llama-3-70b").num_params() / 1e9) == 71  # 70.6 B
+    assert round(load_model_preset("tinyllama-1.1b").num_params() / 1e8) == 11  # 1.10 B
 
 
 def test_unknown_key_names_key_file_and_allowed_keys(tmp_path):

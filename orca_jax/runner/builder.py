@@ -14,12 +14,15 @@ from typing import Sequence
 import jax
 
 from orca_jax.checkpoint.convert import ensure_pulled
-from orca_jax.checkpoint.store import LoadedModel, load_model, read_model_config
-from orca_jax.config import ConfigError, EngineConfig
+from orca_jax.checkpoint.store import LoadedModel, load_model, read_model_config, resolve_checkpoint_dir
+from orca_jax.config import ConfigError, EngineConfig, ModelConfig
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.runner.model_runner import ModelRunner
 from orca_jax.engine.step_plan import Buckets
+from orca_jax.tokenizer import Tokenizer
+from orca_jax.model.decoder import abstract_decoder
 from orca_jax.parallel.memory_plan import plan_memory
+from orca_jax.parallel.plan_cli import resolve_model_config
 from orca_jax.parallel.multihost import DistributedConfig, PlanSender
 
 
@@ -51,15 +54,8 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
     """The runner, not yet warmed up (a follower process compiles its own stages' programs, then
     runs the leader's warm-up step as a plan). Returns (runner, loaded model, max_model_len)."""
     if loaded is None:
-        if distributed is None:  # several processes pulling into one folder would race: pull first
-            ensure_pulled(config.model, log=lambda message: print(message, file=sys.stderr))
-        stored = read_model_config(config.model)
         platform = devices[0].platform if devices else jax.default_backend()
-        dtype = run_dtype(config.dtype, stored.dtype, platform)
-        if dtype != stored.dtype and config.dtype == "auto" and options.show_progress:
-            print(f"orca_jax: {stored.name} is stored in {stored.dtype}; running it in {dtype} on {platform}, "
-                  f"where {stored.dtype} is slower (--dtype {stored.dtype} keeps it)", file=sys.stderr)
-        loaded = load_model(config.model, dtype=dtype)
+        loaded = _load(config, options, platform, pull=distributed is None)
     elif config.dtype not in ("auto", loaded.config.dtype):
         raise ConfigError(f"dtype={config.dtype!r} but the given model is loaded in {loaded.config.dtype}; "
                           "load it with load_model(..., dtype=...)")
@@ -76,11 +72,53 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
                          max_model_len=max_model_len, buckets=bucket_set(config, options),
                          attention_impl=config.attention_impl, parallel=config.parallel, devices=devices,
                          step_timeout=None if distributed is None else distributed.step_timeout,
-                         kv_cache_dtype=config.cache.kv_cache_dtype)
+                         kv_cache_dtype=config.cache.kv_cache_dtype,
+                         dummy_seed=config.dummy_seed if config.load_format == "dummy" else None)
     if options.show_progress:
         print(f"orca_jax: {model_config.name}, policy {config.scheduler.policy}, {runner.describe()}\n"
               f"{plan.one_line()}", file=sys.stderr)
     return runner, loaded, max_model_len
+
+
+def _load(config: EngineConfig, options: BuildOptions, platform: str, pull: bool) -> LoadedModel:
+    """The model as `config.load_format` says: the checkpoint's weights (pulled first when `pull`:
+    several processes pulling into one folder would race), or, for "dummy", only its shapes (the
+    runner makes the weights on the devices). `config.tokenizer` replaces the model's tokenizer."""
+    dummy = config.load_format == "dummy"
+    if pull and not dummy:
+        ensure_pulled(config.model, log=lambda message: print(message, file=sys.stderr))
+    stored = resolve_model_config(config.model) if dummy else read_model_config(config.model)
+    dtype = run_dtype(config.dtype, stored.dtype, platform)
+    if dtype != stored.dtype and config.dtype == "auto" and options.show_progress:
+        print(f"orca_jax: {stored.name} is stored in {stored.dtype}; running it in {dtype} on {platform}, "
+              f"where {stored.dtype} is slower (--dtype {stored.dtype} keeps it)", file=sys.stderr)
+    if dummy:
+        model_config = dataclasses.replace(stored, dtype=dtype)
+        directory = resolve_checkpoint_dir(config.model)
+        own = directory if (directory / "tokenizer.json").is_file() else None
+        loaded = LoadedModel(model_config, abstract_decoder(model_config), own and Tokenizer.load(own), directory)
+        print(f"orca_jax: --load-format dummy: the weights of {model_config.name} are RANDOM (seed {config.dummy_seed}); "
+              "the outputs mean nothing: for trying layouts and speed", file=sys.stderr)
+    else:
+        loaded = load_model(config.model, dtype=dtype)
+    if config.tokenizer is not None:
+        loaded.tokenizer = borrowed_tokenizer(config.tokenizer, loaded.config)
+    return loaded
+
+
+def borrowed_tokenizer(name_or_path: str, model: ModelConfig) -> Tokenizer:
+    """`--tokenizer`: the tokenizer of another checkpoint (name or directory); its ids must all be
+    ids of `model`'s vocabulary."""
+    directory = resolve_checkpoint_dir(name_or_path)
+    if not (directory / "tokenizer.json").is_file():
+        raise ConfigError(f"tokenizer={name_or_path!r}: {directory} has no tokenizer.json; give a checkpoint name or "
+                          "directory that has one (e.g. smollm2-135m-instruct after `orca-jax pull`)")
+    tokenizer = Tokenizer.load(directory)
+    if tokenizer.vocab_size > model.vocab_size:
+        raise ConfigError(f"tokenizer={name_or_path!r} has {tokenizer.vocab_size} tokens but {model.name} has a vocabulary "
+                          f"of {model.vocab_size}: its ids would fall outside the model's; borrow a tokenizer of at "
+                          f"most {model.vocab_size} tokens")
+    return tokenizer
 
 
 def run_dtype(setting: str, stored: str, platform: str) -> str:

@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Int
 from tqdm.auto import tqdm
 
+from orca_jax.checkpoint.dummy import dummy_params
 from orca_jax.config import ConfigError, ParallelConfig, kv_page_dtype
 from orca_jax.runner.compile_cache import ExecutableStore, enable_compilation_cache
 from orca_jax.engine.step_plan import Buckets, KVLayout, RunnerLost, SampledToken, StepPlan, padding_plan, sampled_tokens
@@ -133,13 +134,16 @@ class ModelRunner:
         step_timeout: float | None = None,
         executable_store: ExecutableStore | None = None,
         kv_cache_dtype: str = "auto",
+        dummy_seed: int | None = None,
     ):
         """`attention_impl`: "auto", "native", "xla", "pallas" or "pallas-interpret", resolved here
         for the devices' platform. `devices` (default: all of jax.devices(), every process's) are split
         into pp x tp. `step_timeout`: seconds to wait for a step's result from other processes
         before raising RunnerLost (multi-host only; warm-up allows ten times as long). Compiled
         programs are kept in `executable_store` (default: under $ORCA_JAX_COMPILATION_CACHE). KV pages
-        are kept in `kv_cache_dtype` ("auto": the model's dtype)."""
+        are kept in `kv_cache_dtype` ("auto": the model's dtype). `dummy_seed`: the model is abstract
+        (shapes only) and each stage's parameters are made on its devices as seeded random weights
+        (checkpoint/dummy.py, `--load-format dummy`)."""
         enable_compilation_cache()
         config = model.config
         check_parallel(config, parallel)
@@ -149,6 +153,7 @@ class ModelRunner:
         self.kv_layout = KVLayout(num_pages, page_size, -(-max_model_len // page_size), buckets.seqs[-1])
         self.executable_store = executable_store or ExecutableStore.default()
         self.kv_dtype = jnp.dtype(kv_page_dtype(kv_cache_dtype, config.dtype))
+        self.dummy_seed = dummy_seed
         self.buckets = buckets
         self.max_in_flight = parallel.pipeline_parallel_size
         platform = meshes[0].devices.flat[0].platform
@@ -190,9 +195,12 @@ class ModelRunner:
             return Stage(index, layers, mesh, replicated, first, last, local=False)
         graphdef, state = nnx.split(DecoderStage(model, layers, first=first, last=last))
         num_kv_heads = kv_shape[2]
-        if num_kv_heads != self.config.n_kv_heads:
-            state = replicate_kv_heads(state, num_kv_heads)
-        params = jax.device_put(state, param_shardings(state, mesh))
+        widen = None if num_kv_heads == self.config.n_kv_heads else lambda s: replicate_kv_heads(s, num_kv_heads)
+        if self.dummy_seed is not None:
+            params = dummy_params(state, param_shardings(state, mesh), layers=layers,
+                                  tied=self.config.tie_word_embeddings, seed=self.dummy_seed, transform=widen)
+        else:
+            params = jax.device_put(state if widen is None else widen(state), param_shardings(state, mesh))
         kv_sharding = kv_cache_sharding(mesh)
         zeros = jax.jit(lambda: jnp.zeros(kv_shape, self.kv_dtype), out_shardings=kv_sharding)
         attention = sharded_paged_attention(self.attention_impl, mesh)
@@ -228,7 +236,8 @@ class ModelRunner:
     def layout_settings(self) -> dict[str, str]:
         """Everything the processes of one model must agree on, one entry per setting (multi-host
         compares them at start-up and names each that differs)."""
-        settings = {"kv_dtype": self.kv_dtype.name, "attention_impl": self.attention_impl}
+        settings = {"kv_dtype": self.kv_dtype.name, "attention_impl": self.attention_impl,
+                    "dummy_seed": repr(self.dummy_seed)}
         for name, value in (("model", self.config), ("parallel", self.parallel), ("kv_layout", self.kv_layout),
                             ("buckets", self.buckets)):
             settings.update({f"{name}.{f.name}": repr(getattr(value, f.name)) for f in dataclasses.fields(value)})

@@ -225,3 +225,19 @@ def test_a_follower_whose_leader_dies_exits_non_zero_in_bounded_time():
         leader.communicate()
     assert code != 0, err[-2000:]
     assert elapsed < 60
+
+
+def test_dummy_weights_over_two_processes_print_the_one_process_ids():
+    weights = ("--load-format", "dummy", "--dummy-seed", "3")
+    prompts = ["--prompt-token-ids", "64 1 2", "--prompt-token-ids", "64 30 31 32", "--max-tokens", "6"]
+    code, one_process, err = finish(orca_jax("generate", *ENGINE_FLAGS, *weights, *prompts), 300)
+    assert code == 0, err
+    assert "are RANDOM (seed 3)" in err
+    assert one_process.splitlines()[0] == ">>> 64 1 2"
+    assert all(word.isdigit() for word in one_process.splitlines()[1].split())  # generated ids, not text
+    leader, follower = start_pair([*weights, *prompts], follower_flags=weights)
+    code, out, err = finish(leader, 300)
+    follower_code, _, follower_err = finish(follower, 60)
+    assert code == 0, err
+    assert out == one_process
+    assert follower_code == 0, follower_err
