@@ -20,21 +20,12 @@ from __future__ import annotations
 import math
 import zlib
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-
-def parameter_name(path: tuple, layers: range, tied: bool) -> str:
-    """The parameter's name in the whole decoder, from its path in a DecoderStage's state (whose
-    layers are numbered from 0 and whose LM head is `head`)."""
-    parts = [str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))) for key in path]
-    if parts[-1] == "value":  # a tree path into an nnx.State ends at the Variable's `value`
-        parts.pop()
-    if parts[0] == "layers":
-        parts[1] = str(layers[int(parts[1])])
-    elif parts[0] == "head":
-        parts[0] = "embed" if tied else "lm_head"
-    return ".".join(parts)
+from orca_jax.checkpoint.store import stage_parameter_name
 
 
 def _draw(key, name: str, shape: tuple[int, ...], dtype) -> jax.Array:
@@ -51,17 +42,24 @@ def _draw(key, name: str, shape: tuple[int, ...], dtype) -> jax.Array:
     return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
-def dummy_params(abstract_state, shardings, *, layers: range, tied: bool, seed: int, transform=None):
-    """A DecoderStage's state (shapes from `abstract_state`) filled with the dummy weights, each
-    array placed by `shardings` and computed there. `transform` (e.g. KV heads repeated for a large
-    tp) runs on the drawn state inside the same program, so the values never depend on the layout."""
-    names = jax.tree_util.tree_map_with_path(lambda path, _: parameter_name(path, layers, tied), abstract_state)
-    base = jax.random.key(seed)
+@dataclasses.dataclass(frozen=True)
+class DummyWeights:
+    """A stage's parameters as seeded random weights, each array computed where its sharding puts it."""
 
-    def make():
-        drawn = jax.tree.map(
-            lambda name, spec: _draw(jax.random.fold_in(base, zlib.crc32(name.encode())), name, spec.shape, spec.dtype),
-            names, abstract_state)
-        return drawn if transform is None else transform(drawn)
+    seed: int
 
-    return jax.jit(make, out_shardings=shardings)()
+    def describe(self) -> str:
+        return f"dummy, seed {self.seed}"
+
+    def summary(self) -> str:
+        return f"RANDOM (dummy, seed {self.seed}), made on the devices"
+
+    def stage_params(self, abstract_state, shardings, *, layers: range, tied: bool):
+        names = jax.tree_util.tree_map_with_path(lambda p, _: stage_parameter_name(p, layers, tied), abstract_state)
+        base = jax.random.key(self.seed)
+
+        def make():
+            return jax.tree.map(lambda name, spec: _draw(jax.random.fold_in(base, zlib.crc32(name.encode())), name,
+                                                         spec.shape, spec.dtype), names, abstract_state)
+
+        return jax.jit(make, out_shardings=shardings)()

@@ -14,7 +14,9 @@ from typing import Sequence
 import jax
 
 from orca_jax.checkpoint.convert import ensure_pulled
-from orca_jax.checkpoint.store import LoadedModel, load_model, read_model_config, resolve_checkpoint_dir
+from orca_jax.checkpoint.dummy import DummyWeights
+from orca_jax.checkpoint.store import (CheckpointWeights, LoadedModel, open_model, read_model_config,
+                                       resolve_checkpoint_dir)
 from orca_jax.config import ConfigError, EngineConfig, ModelConfig
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.runner.model_runner import ModelRunner
@@ -53,9 +55,11 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
                  devices: list | None = None, distributed: DistributedConfig | None = None):
     """The runner, not yet warmed up (a follower process compiles its own stages' programs, then
     runs the leader's warm-up step as a plan). Returns (runner, loaded model, max_model_len)."""
+    weights = None  # a given model's own arrays
     if loaded is None:
         platform = devices[0].platform if devices else jax.default_backend()
         loaded = _load(config, options, platform, pull=distributed is None)
+        weights = DummyWeights(config.dummy_seed) if config.load_format == "dummy" else CheckpointWeights(loaded.path)
     elif config.dtype not in ("auto", loaded.config.dtype):
         raise ConfigError(f"dtype={config.dtype!r} but the given model is loaded in {loaded.config.dtype}; "
                           "load it with load_model(..., dtype=...)")
@@ -73,7 +77,7 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
                          attention_impl=config.attention_impl, parallel=config.parallel, devices=devices,
                          step_timeout=None if distributed is None else distributed.step_timeout,
                          kv_cache_dtype=config.cache.kv_cache_dtype,
-                         dummy_seed=config.dummy_seed if config.load_format == "dummy" else None)
+                         weights=weights)
     if options.show_progress:
         print(f"orca_jax: {model_config.name}, policy {config.scheduler.policy}, {runner.describe()}\n"
               f"{plan.one_line()}", file=sys.stderr)
@@ -81,9 +85,10 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
 
 
 def _load(config: EngineConfig, options: BuildOptions, platform: str, pull: bool) -> LoadedModel:
-    """The model as `config.load_format` says: the checkpoint's weights (pulled first when `pull`:
-    several processes pulling into one folder would race), or, for "dummy", only its shapes (the
-    runner makes the weights on the devices). `config.tokenizer` replaces the model's tokenizer."""
+    """The model as `config.load_format` says, as shapes only (the runner restores or makes each
+    stage's weights on its devices): a checkpoint's (pulled first when `pull`: several processes
+    pulling into one folder would race), or a preset's for "dummy". `config.tokenizer` replaces
+    the model's tokenizer."""
     dummy = config.load_format == "dummy"
     if pull and not dummy:
         ensure_pulled(config.model, log=lambda message: print(message, file=sys.stderr))
@@ -100,7 +105,7 @@ def _load(config: EngineConfig, options: BuildOptions, platform: str, pull: bool
         print(f"orca_jax: --load-format dummy: the weights of {model_config.name} are RANDOM (seed {config.dummy_seed}); "
               "the outputs mean nothing: for trying layouts and speed", file=sys.stderr)
     else:
-        loaded = load_model(config.model, dtype=dtype)
+        loaded = open_model(config.model, dtype=dtype)
     if config.tokenizer is not None:
         loaded.tokenizer = borrowed_tokenizer(config.tokenizer, loaded.config)
     return loaded

@@ -8,6 +8,7 @@ builder on the leader) and the builder do not import each other.
 from __future__ import annotations
 
 import logging
+import sys
 
 from orca_jax.config import ConfigError
 from orca_jax.parallel.multihost import DistributedConfig, PlanReceiver
@@ -42,5 +43,6 @@ def follow_leader(config, dist: DistributedConfig) -> int:
     """A follower process: build the same runner as the leader, then run its steps until it is done."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     runner, _, _ = build_runner(config, BuildOptions(show_progress=False), distributed=dist)
+    print(f"orca_jax: process {dist.process_id}: {runner.describe()}", file=sys.stderr, flush=True)
     runner.compile_programs()  # its own stages' programs; the leader's warm-up step then arrives as a plan
     return follow(runner, dist)

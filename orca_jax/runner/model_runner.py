@@ -43,7 +43,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Int
 from tqdm.auto import tqdm
 
-from orca_jax.checkpoint.dummy import dummy_params
 from orca_jax.config import ConfigError, ParallelConfig, kv_page_dtype
 from orca_jax.runner.compile_cache import ExecutableStore, enable_compilation_cache
 from orca_jax.engine.step_plan import Buckets, KVLayout, RunnerLost, SampledToken, StepPlan, padding_plan, sampled_tokens
@@ -54,7 +53,7 @@ from orca_jax.model.sampler import SamplerOutput, SamplingMetadata, sample
 from orca_jax.sampling_params import MAX_LOGPROBS
 from orca_jax.parallel import kv_cache_sharding, param_shardings, stage_meshes
 from orca_jax.parallel.layout import check_parallel, kv_heads_for_tp, stage_layer_ranges
-from orca_jax.parallel.tensor_parallel import replicate_kv_heads, sharded_paged_attention
+from orca_jax.parallel.tensor_parallel import kv_projections_replicated, replicate_kv_heads, sharded_paged_attention
 
 log = logging.getLogger(__name__)
 
@@ -134,16 +133,16 @@ class ModelRunner:
         step_timeout: float | None = None,
         executable_store: ExecutableStore | None = None,
         kv_cache_dtype: str = "auto",
-        dummy_seed: int | None = None,
+        weights=None,
     ):
         """`attention_impl`: "auto", "native", "xla", "pallas" or "pallas-interpret", resolved here
         for the devices' platform. `devices` (default: all of jax.devices(), every process's) are split
         into pp x tp. `step_timeout`: seconds to wait for a step's result from other processes
         before raising RunnerLost (multi-host only; warm-up allows ten times as long). Compiled
         programs are kept in `executable_store` (default: under $ORCA_JAX_COMPILATION_CACHE). KV pages
-        are kept in `kv_cache_dtype` ("auto": the model's dtype). `dummy_seed`: the model is abstract
-        (shapes only) and each stage's parameters are made on its devices as seeded random weights
-        (checkpoint/dummy.py, `--load-format dummy`)."""
+        are kept in `kv_cache_dtype` ("auto": the model's dtype). `weights` (a CheckpointWeights or
+        DummyWeights): the model is abstract (shapes only) and each stage's parameters come from it,
+        straight into their shardings; None: the model's own arrays are placed."""
         enable_compilation_cache()
         config = model.config
         check_parallel(config, parallel)
@@ -153,7 +152,7 @@ class ModelRunner:
         self.kv_layout = KVLayout(num_pages, page_size, -(-max_model_len // page_size), buckets.seqs[-1])
         self.executable_store = executable_store or ExecutableStore.default()
         self.kv_dtype = jnp.dtype(kv_page_dtype(kv_cache_dtype, config.dtype))
-        self.dummy_seed = dummy_seed
+        self.weights = weights
         self.buckets = buckets
         self.max_in_flight = parallel.pipeline_parallel_size
         platform = meshes[0].devices.flat[0].platform
@@ -195,12 +194,17 @@ class ModelRunner:
             return Stage(index, layers, mesh, replicated, first, last, local=False)
         graphdef, state = nnx.split(DecoderStage(model, layers, first=first, last=last))
         num_kv_heads = kv_shape[2]
-        widen = None if num_kv_heads == self.config.n_kv_heads else lambda s: replicate_kv_heads(s, num_kv_heads)
-        if self.dummy_seed is not None:
-            params = dummy_params(state, param_shardings(state, mesh), layers=layers,
-                                  tied=self.config.tie_word_embeddings, seed=self.dummy_seed, transform=widen)
+        widen = num_kv_heads != self.config.n_kv_heads
+        shardings = param_shardings(state, mesh)
+        if self.weights is None:
+            params = jax.device_put(replicate_kv_heads(state, num_kv_heads) if widen else state, shardings)
         else:
-            params = jax.device_put(state if widen is None else widen(state), param_shardings(state, mesh))
+            # K/V projections that are widened to tp heads arrive whole on every device (their
+            # original head count does not split over tp), are widened there, then resharded.
+            params = self.weights.stage_params(state, kv_projections_replicated(shardings, replicated) if widen
+                                               else shardings, layers=layers, tied=self.config.tie_word_embeddings)
+            if widen:
+                params = jax.device_put(replicate_kv_heads(params, num_kv_heads), shardings)
         kv_sharding = kv_cache_sharding(mesh)
         zeros = jax.jit(lambda: jnp.zeros(kv_shape, self.kv_dtype), out_shardings=kv_sharding)
         attention = sharded_paged_attention(self.attention_impl, mesh)
@@ -237,7 +241,7 @@ class ModelRunner:
         """Everything the processes of one model must agree on, one entry per setting (multi-host
         compares them at start-up and names each that differs)."""
         settings = {"kv_dtype": self.kv_dtype.name, "attention_impl": self.attention_impl,
-                    "dummy_seed": repr(self.dummy_seed)}
+                    "weights": "the model's arrays" if self.weights is None else self.weights.describe()}
         for name, value in (("model", self.config), ("parallel", self.parallel), ("kv_layout", self.kv_layout),
                             ("buckets", self.buckets)):
             settings.update({f"{name}.{f.name}": repr(getattr(value, f.name)) for f in dataclasses.fields(value)})
@@ -251,7 +255,8 @@ class ModelRunner:
         tp, pp = self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
         stages = ", ".join(f"layers {s.layers.start}-{s.layers.stop - 1} on {[d.id for d in s.mesh.devices.flat]}"
                            for s in self.stages)
-        return f"tp {tp} x pp {pp} ({stages}), attention {self.attention_impl}, KV pages {self.kv_dtype.name}"
+        weights = "" if self.weights is None else f"; weights: {self.weights.summary()}"
+        return f"tp {tp} x pp {pp} ({stages}), attention {self.attention_impl}, KV pages {self.kv_dtype.name}{weights}"
 
     # ---- compilation ---------------------------------------------------------------------
     def warm_up(self, show_progress: bool = True) -> float:

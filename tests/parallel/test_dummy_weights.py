@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from orca_jax.checkpoint.dummy import DummyWeights
+from orca_jax.checkpoint.store import stage_parameter_name
 from orca_jax.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, load_model_preset
 from orca_jax.engine.step_plan import Buckets
 from orca_jax.model.decoder import abstract_decoder
@@ -22,19 +24,19 @@ PROMPTS = [[64, 3, 9, 27], [5], [64, 10, 11, 12, 13, 14, 15], [40, 2]]
 def dummy_runner(tp=1, pp=1, seed=0):
     runner = ModelRunner(abstract_decoder(TINY), num_pages=64, page_size=4, max_model_len=128,
                          buckets=Buckets(tokens=(16,), seqs=(4,)), attention_impl="xla",
-                         parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp), dummy_seed=seed)
+                         parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+                         weights=DummyWeights(seed))
     runner.warm_up(show_progress=False)
     return runner
 
 
 def whole(runner) -> dict[str, np.ndarray]:
     """Every parameter of every stage, gathered to the host, by its name in the whole model."""
-    from orca_jax.checkpoint.dummy import parameter_name
 
     params = {}
     for stage in runner.stages:
         for path, value in nnx.to_flat_state(stage.params):
-            params[parameter_name(path, stage.layers, TINY.tie_word_embeddings)] = np.asarray(value.get_value())
+            params[stage_parameter_name(path, stage.layers, TINY.tie_word_embeddings)] = np.asarray(value.get_value())
     return params
 
 

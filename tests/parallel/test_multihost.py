@@ -153,6 +153,10 @@ def test_two_processes_print_the_one_process_tokens(one_process_output, tmp_path
     assert "compilations after warm-up: 0" in err
     assert "layers 0-0 on [0], layers 1-1 on [2048]" in err  # one stage on each process's device
     assert follower_code == 0, "".join(follower_err)  # told by the leader that it was done
+    # Each process read only its own stage's parameters: the embedding and layer 0, or layer 1, the
+    # final norm and the (tied) embedding as the LM head; 20 in all.
+    assert "read 10 of 20 parameters" in err
+    assert "read 11 of 20 parameters" in "".join(follower_err)
     assert coordinator_port in stranger.visited  # jax's coordination service, reached and sent code
     assert coordinator_port + 1 not in stranger.visited  # no plan channel of our own listens there
     assert not marker.exists()
