@@ -152,7 +152,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, help="requests running at once")
     group.add_argument("--max-num-batched-tokens", type=int, help="tokens per forward pass")
     group.add_argument("--page-size", type=int, help="tokens per KV page")
-    group.add_argument("--kv-cache-memory", type=byte_size, help="KV cache per device, e.g. 1GiB, 512MiB or bytes")
+    group.add_argument("--kv-cache-memory", type=byte_size,
+                       help="KV cache per device, e.g. 1GiB, 512MiB or bytes (default: sized from "
+                            "--gpu-memory-utilization on accelerators, 1GiB on CPU)")
+    group.add_argument("--gpu-memory-utilization", type=float, dest="device_memory_utilization",
+                       help="fraction of each accelerator's memory for parameters and KV pages (default 0.9); "
+                            "the KV cache gets what the parameters leave. Ignored on CPU")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                        help="share the KV pages of common prompt prefixes (--no-enable-prefix-caching turns a "
                             "config file's true off)")
@@ -185,6 +190,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="host:port of process 0: jax.distributed's coordination service, which also carries the steps")
     hosts.add_argument("--num-processes", type=int, default=_env_int("JAX_NUM_PROCESSES"))
     hosts.add_argument("--process-id", type=int, default=_env_int("JAX_PROCESS_ID"))
+    hosts.add_argument("--local-device-ids", type=device_ids_arg, metavar="0,1",
+                       help="the accelerators this process takes, when several processes share a host")
     hosts.add_argument("--step-timeout", type=float, default=60.0,
                        help="seconds the leader waits for a step from the other processes before failing")
 
@@ -203,7 +210,14 @@ def distributed_config(args: argparse.Namespace):
         raise ValueError("multi-host needs all of --coordinator-address, --num-processes and --process-id "
                          "(or $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID)")
     return DistributedConfig(args.coordinator_address, args.num_processes, args.process_id,
-                             step_timeout=args.step_timeout)
+                             step_timeout=args.step_timeout, local_device_ids=args.local_device_ids)
+
+
+def device_ids_arg(text: str) -> tuple[int, ...]:
+    words = text.replace(",", " ").split()
+    if not words or not all(w.isdigit() for w in words):
+        raise argparse.ArgumentTypeError(f"device ids are non-negative integers separated by commas, got {text!r}")
+    return tuple(int(w) for w in words)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -238,6 +252,7 @@ def engine_config(args: argparse.Namespace):
         dummy_seed=args.dummy_seed,
         tokenizer=args.tokenizer,
         cache=override(base.cache, page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
+                       device_memory_utilization=args.device_memory_utilization,
                        enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=override(base.scheduler, policy=args.policy, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens),

@@ -243,15 +243,30 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16  # tokens per KV page
-    kv_cache_memory: int = 1 << 30  # bytes of KV cache on each device (its stage's layers, its share of the heads)
+    # Bytes of KV cache on each device (its stage's layers, its share of the heads). None: on an
+    # accelerator, what device_memory_utilization x the device's memory leaves after the parameters
+    # and the reserve; on CPU (no memory figure to size from) DEFAULT_CPU_KV_CACHE_MEMORY.
+    kv_cache_memory: int | None = None
     enable_prefix_caching: bool = False
     # KV pages' dtype: auto = the model's (the reference); bfloat16 halves the bytes attention reads
     # and doubles the pages a budget holds, at a small cost in precision (README, "Dtypes").
     kv_cache_dtype: KVCacheDType = "auto"
+    # vLLM's gpu_memory_utilization: the fraction of each accelerator's memory (as JAX reports it)
+    # for parameters and KV pages; the rest is kept for activations and workspace.
+    device_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
-        _check_positive(self, "page_size", "kv_cache_memory")
+        _check_positive(self, "page_size")
+        if self.kv_cache_memory is not None:
+            _check_positive(self, "kv_cache_memory")
+        fraction = self.device_memory_utilization
+        _require(isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0 < fraction <= 1,
+                 f"CacheConfig.device_memory_utilization must be a fraction in (0, 1], e.g. 0.9, "
+                 f"got {self.device_memory_utilization!r}")
         _check_literal(self, "kv_cache_dtype", KV_CACHE_DTYPE_CHOICES)
+
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # bytes per CPU device when kv_cache_memory is not given
 
 
 def kv_page_dtype(kv_cache_dtype: str, model_dtype: str) -> str:

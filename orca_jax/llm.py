@@ -29,7 +29,8 @@ class LLM:
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 512,
         page_size: int = 16,
-        kv_cache_memory: int = 1 << 30,
+        kv_cache_memory: int | None = None,
+        device_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = False,
         kv_cache_dtype: str = "auto",
         attention_impl: str = "auto",
@@ -47,7 +48,8 @@ class LLM:
         distributed=None,
     ):
         """`model`: a preset name (pulled on first use if it has published weights) or a checkpoint
-        directory. `kv_cache_memory`: bytes of KV cache per device. `load_format="dummy"`: seeded random
+        directory. `kv_cache_memory`: bytes of KV cache per device (default: sized from
+        `device_memory_utilization` x each accelerator's memory; 1 GiB on CPU). `load_format="dummy"`: seeded random
         weights (`dummy_seed`) of the model's shapes, for trying a layout without its weights; `tokenizer`:
         another checkpoint's tokenizer (name or directory). `token_buckets` / `seq_buckets`
         override the compiled step shapes (default: powers of two up to the limits). `config`: a whole
@@ -59,7 +61,8 @@ class LLM:
         if config is not None:
             engine_args = dict(model=model, scheduling_policy=scheduling_policy, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
-                               kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
+                               kv_cache_memory=kv_cache_memory, device_memory_utilization=device_memory_utilization,
+                               enable_prefix_caching=enable_prefix_caching,
                                kv_cache_dtype=kv_cache_dtype, attention_impl=attention_impl,
                                max_model_len=max_model_len, dtype=dtype,
                                tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
@@ -78,6 +81,7 @@ class LLM:
             dummy_seed=dummy_seed,
             tokenizer=tokenizer,
             cache=CacheConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
+                              device_memory_utilization=device_memory_utilization,
                               enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(policy=scheduling_policy, max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens),

@@ -151,3 +151,9 @@ def test_rope_freq_factors_round_trip_through_toml_and_are_validated(tmp_path):
     path.write_text(model_config_to_toml(config).replace("[1.0, 1.0,", '["a", 1.0,'))
     with pytest.raises(ConfigError, match="rope_freq_factors\\[0\\] = 'a' has type str; expected float"):
         load_toml(ModelConfig, path)
+
+
+@pytest.mark.parametrize("fraction", [0, 1.2, -0.1, True, "0.9"])
+def test_device_memory_utilization_must_be_a_fraction(fraction):
+    with pytest.raises(ConfigError, match="device_memory_utilization must be a fraction in"):
+        CacheConfig(device_memory_utilization=fraction)

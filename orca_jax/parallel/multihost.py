@@ -59,6 +59,9 @@ class DistributedConfig:
     process_id: int  # 0 is the leader
     step_timeout: float = 60.0  # seconds the leader waits for a step's result before giving up
     connect_timeout: float = 600.0  # seconds to wait for the other processes at start-up (they load and compile)
+    # The accelerators this process takes (several processes on one host); None: all it sees
+    # (one process per GPU then comes from CUDA_VISIBLE_DEVICES, the standard environment).
+    local_device_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         host, _, port = self.coordinator_address.rpartition(":")
@@ -102,7 +105,8 @@ def initialize(dist: DistributedConfig) -> None:
     # fail its requests with a clear error and exit on its own terms.
     jax.config.update("jax_enable_recoverability", True)
     jax.distributed.initialize(dist.coordinator_address, num_processes=dist.num_processes,
-                               process_id=dist.process_id, initialization_timeout=int(dist.connect_timeout))
+                               process_id=dist.process_id, initialization_timeout=int(dist.connect_timeout),
+                               local_device_ids=None if dist.local_device_ids is None else list(dist.local_device_ids))
 
 
 def _client():

@@ -17,7 +17,7 @@ from orca_jax.checkpoint.convert import ensure_pulled
 from orca_jax.checkpoint.dummy import DummyWeights
 from orca_jax.checkpoint.store import (CheckpointWeights, LoadedModel, open_model, read_model_config,
                                        resolve_checkpoint_dir)
-from orca_jax.config import ConfigError, EngineConfig, ModelConfig
+from orca_jax.config import DEFAULT_CPU_KV_CACHE_MEMORY, ConfigError, EngineConfig, ModelConfig
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.runner.model_runner import ModelRunner
 from orca_jax.engine.step_plan import Buckets
@@ -68,10 +68,17 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
     if max_model_len > model_config.max_position:
         raise ConfigError(f"max_model_len={max_model_len} exceeds {model_config.name}'s context length of "
                           f"{model_config.max_position} tokens; lower it")
-    # Checks the layout (tp divisibility, stages) and sizes the pages per device from kv_cache_memory;
-    # refuses a cache that cannot hold one max-length sequence.
-    plan = plan_memory(model_config, config.parallel, page_size=config.cache.page_size, max_model_len=max_model_len,
-                       kv_cache_memory=config.cache.kv_cache_memory, kv_cache_dtype=config.cache.kv_cache_dtype)
+    # Checks the layout (tp divisibility, stages) and sizes the pages per device, from the devices'
+    # memory or kv_cache_memory; refuses a layout that does not fit, or a cache that cannot hold one
+    # max-length sequence, before any weight is read.
+    cache = config.cache
+    device_memory = _device_memory(devices)
+    kv_cache_memory = cache.kv_cache_memory
+    if kv_cache_memory is None and device_memory is None:
+        kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
+    plan = plan_memory(model_config, config.parallel, page_size=cache.page_size, max_model_len=max_model_len,
+                       device_memory=device_memory, kv_cache_memory=kv_cache_memory,
+                       kv_cache_dtype=cache.kv_cache_dtype, memory_utilization=cache.device_memory_utilization)
     runner = ModelRunner(loaded.model, num_pages=plan.num_pages, page_size=config.cache.page_size,
                          max_model_len=max_model_len, buckets=bucket_set(config, options),
                          attention_impl=config.attention_impl, parallel=config.parallel, devices=devices,
@@ -124,6 +131,17 @@ def borrowed_tokenizer(name_or_path: str, model: ModelConfig) -> Tokenizer:
                           f"of {model.vocab_size}: its ids would fall outside the model's; borrow a tokenizer of at "
                           f"most {model.vocab_size} tokens")
     return tokenizer
+
+
+def _device_memory(devices: list | None) -> int | None:
+    """The smallest memory JAX gives any of this process's accelerators (bytes_limit: on a GPU, the
+    share XLA_PYTHON_CLIENT_MEM_FRACTION allows, 75% by default), or None on CPU, which reports none
+    (kv_cache_memory then sizes the cache)."""
+    local = [d for d in (devices or jax.devices()) if d.process_index == jax.process_index()]
+    if local[0].platform == "cpu":
+        return None
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in local]
+    return min(limits) if all(limits) else None
 
 
 def run_dtype(setting: str, stored: str, platform: str) -> str:
