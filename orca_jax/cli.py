@@ -325,8 +325,7 @@ def _print_outputs(args: argparse.Namespace, prompts: list[str], params, llm) ->
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
         outputs = llm.generate(prompts, params)
-    if llm.runner.followers is not None:
-        llm.runner.followers.close()
+    llm.close()  # on several processes: tells the followers there are no more steps
     elapsed = time.perf_counter() - start
     for prompt, output in zip(prompts, outputs):
         if isinstance(prompt, dict):  # given as token ids: answered in token ids
@@ -418,8 +417,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     def run() -> int:
         code = asyncio.run(serve(settings, build_engine, args.host, args.port, shutdown_timeout=args.shutdown_timeout))
-        if code == 0 and built and built[0].runner.followers is not None:
-            built[0].runner.followers.close()  # tells the followers to exit 0 too
+        if code == 0 and built:
+            built[0].close()  # on several processes: tells the followers to exit 0 too
         return code
 
     return run() if dist is None else run_process(dist, run)

@@ -94,6 +94,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.show_progress = show_progress
 
+    def close(self) -> None:
+        """Done with this LLM: on several processes, the followers are told to exit."""
+        self.engine.close()
+
     @property
     def num_compilations_after_warmup(self) -> int:
         return self.runner.num_compilations_after_warmup
