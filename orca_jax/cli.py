@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 
 from orca_jax.config import (ATTENTION_IMPL_CHOICES, DEFAULT_MODEL, DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES,
-                             MATMUL_PRECISION_CHOICES,
-                             SCHEDULING_POLICIES)
+                             LOAD_FORMAT_CHOICES, MATMUL_PRECISION_CHOICES, SCHEDULING_POLICIES)
 from orca_jax.parallel.multihost import DistributedConfig, run_process
 from orca_jax.parallel.plan_cli import add_plan_arguments, plan_command
 from orca_jax.sizes import byte_size
@@ -33,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("prompts", nargs="*", help="prompt texts; one per line on stdin when omitted")
     generate.add_argument("--file", type=Path, help="read prompts from this file, one per line")
     generate.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
+    generate.add_argument("--prompt-token-ids", action="append", type=token_ids_arg, default=[], metavar='"1 2 3"',
+                          help="a prompt as token ids (repeatable), for a model without a tokenizer; the generated "
+                               "ids are printed")
     add_engine_args(generate)
     add_sampling_args(generate)
 
@@ -150,7 +152,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, help="requests running at once")
     group.add_argument("--max-num-batched-tokens", type=int, help="tokens per forward pass")
     group.add_argument("--page-size", type=int, help="tokens per KV page")
-    group.add_argument("--kv-cache-memory", type=byte_size, help="KV cache per device, e.g. 1GiB, 512MiB or bytes")
+    group.add_argument("--kv-cache-memory", type=byte_size,
+                       help="KV cache per device, e.g. 1GiB, 512MiB or bytes (default: sized from "
+                            "--gpu-memory-utilization on accelerators, 1GiB on CPU)")
+    group.add_argument("--gpu-memory-utilization", type=float, dest="device_memory_utilization",
+                       help="fraction of each accelerator's memory for parameters and KV pages (default 0.9); "
+                            "the KV cache gets what the parameters leave. Ignored on CPU")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                        help="share the KV pages of common prompt prefixes (--no-enable-prefix-caching turns a "
                             "config file's true off)")
@@ -169,6 +176,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "the pages a --kv-cache-memory budget holds")
     group.add_argument("--tensor-parallel-size", type=int, help="devices each layer is split over")
     group.add_argument("--pipeline-parallel-size", type=int, help="pipeline stages the layers are split into")
+    group.add_argument("--load-format", choices=LOAD_FORMAT_CHOICES,
+                       help="auto: the checkpoint's weights; dummy: seeded random weights of the model's shapes (a "
+                            "preset such as llama-3-70b), made on each device: try a layout without its weights")
+    group.add_argument("--dummy-seed", type=int, help="seed of the dummy weights (default 0)")
+    group.add_argument("--tokenizer", metavar="NAME_OR_PATH",
+                       help="use this checkpoint's tokenizer (name or directory) instead of the model's own")
     group.add_argument("--structured-outputs-config", type=json_object_arg, metavar="JSON",
                        help="vLLM's flag: defaults for constrained requests, e.g. '{\"disable_additional_properties\": "
                             "false}' lets objects whose schema does not say additionalProperties carry invented "
@@ -180,9 +193,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "multi-host (start one process per host with the same flags; process 0 prints or serves, the others "
         "follow it; defaults from $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID)")
     hosts.add_argument("--coordinator-address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
-                       help="host:port of process 0 (steps go out on port + 1)")
+                       help="host:port of process 0: jax.distributed's coordination service, which also carries the steps")
     hosts.add_argument("--num-processes", type=int, default=_env_int("JAX_NUM_PROCESSES"))
     hosts.add_argument("--process-id", type=int, default=_env_int("JAX_PROCESS_ID"))
+    hosts.add_argument("--local-device-ids", type=device_ids_arg, metavar="0,1",
+                       help="the accelerators this process takes, when several processes share a host")
     hosts.add_argument("--step-timeout", type=float, default=60.0,
                        help="seconds the leader waits for a step from the other processes before failing")
 
@@ -201,7 +216,14 @@ def distributed_config(args: argparse.Namespace):
         raise ValueError("multi-host needs all of --coordinator-address, --num-processes and --process-id "
                          "(or $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID)")
     return DistributedConfig(args.coordinator_address, args.num_processes, args.process_id,
-                             step_timeout=args.step_timeout)
+                             step_timeout=args.step_timeout, local_device_ids=args.local_device_ids)
+
+
+def device_ids_arg(text: str) -> tuple[int, ...]:
+    words = text.replace(",", " ").split()
+    if not words or not all(w.isdigit() for w in words):
+        raise argparse.ArgumentTypeError(f"device ids are non-negative integers separated by commas, got {text!r}")
+    return tuple(int(w) for w in words)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -233,7 +255,11 @@ def engine_config(args: argparse.Namespace):
         dtype=args.dtype,
         matmul_precision=args.matmul_precision,
         attention_impl=args.attention_impl,
+        load_format=args.load_format,
+        dummy_seed=args.dummy_seed,
+        tokenizer=args.tokenizer,
         cache=override(base.cache, page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
+                       device_memory_utilization=args.device_memory_utilization,
                        enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=override(base.scheduler, policy=args.policy, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens),
@@ -242,6 +268,14 @@ def engine_config(args: argparse.Namespace):
         structured_outputs=_structured_outputs_config(base.structured_outputs, args.structured_outputs_config),
         speculative_config=_speculative_config(base.speculative_config, args.speculative_config),
     )
+
+
+def token_ids_arg(text: str) -> list[int]:
+    """`--prompt-token-ids "1 2 3"` (commas work too)."""
+    words = text.replace(",", " ").split()
+    if not words or not all(w.isdigit() for w in words):
+        raise argparse.ArgumentTypeError(f"token ids are non-negative integers separated by spaces, got {text!r}")
+    return [int(w) for w in words]
 
 
 def json_object_arg(text: str) -> dict:
@@ -291,7 +325,11 @@ def _generate(args: argparse.Namespace) -> int:
     config, dist = engine_config(args), distributed_config(args)
     if dist is not None and not dist.is_leader:
         return run_process(dist, lambda: _follow_leader(config, dist))
-    prompts = _read_prompts(args)
+    if args.prompt_token_ids and (args.prompts or args.file or args.chat):
+        print("error: give prompts either as text (arguments, --file, --chat) or as --prompt-token-ids, not both",
+              file=sys.stderr)
+        return 2
+    prompts = [{"prompt_token_ids": ids} for ids in args.prompt_token_ids] or _read_prompts(args)
     if not prompts:
         print("error: no prompts given (pass them as arguments, with --file, or on stdin)", file=sys.stderr)
         return 2
@@ -306,11 +344,14 @@ def _print_outputs(args: argparse.Namespace, prompts: list[str], params, llm) ->
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
         outputs = llm.generate(prompts, params)
-    if llm.runner.followers is not None:
-        llm.runner.followers.close()
+    llm.close()  # on several processes: tells the followers there are no more steps
     elapsed = time.perf_counter() - start
     for prompt, output in zip(prompts, outputs):
-        print(f">>> {prompt}\n{output.outputs[0].text.strip()}")
+        if isinstance(prompt, dict):  # given as token ids: answered in token ids
+            print(f">>> {' '.join(map(str, prompt['prompt_token_ids']))}\n"
+                  f"{' '.join(map(str, output.outputs[0].token_ids))}")
+        else:
+            print(f">>> {prompt}\n{output.outputs[0].text.strip()}")
     total = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(f"[{len(outputs)} requests, {total} tokens in {elapsed:.1f} s: {total / elapsed:.1f} tok/s; "
           f"policy {llm.config.scheduler.policy}, compilations after warm-up: {llm.num_compilations_after_warmup}]",
@@ -367,13 +408,14 @@ def _serve(args: argparse.Namespace) -> int:
     from orca_jax.checkpoint.store import (CheckpointError, is_complete, missing_checkpoint_message,
                                            resolve_checkpoint_dir)
 
-    if dist is None:
-        from orca_jax.checkpoint.convert import ensure_pulled
+    if config.load_format != "dummy":  # dummy weights need no checkpoint
+        if dist is None:
+            from orca_jax.checkpoint.convert import ensure_pulled
 
-        ensure_pulled(config.model, log=lambda message: print(message, file=sys.stderr))
-    checkpoint = resolve_checkpoint_dir(config.model)
-    if not is_complete(checkpoint):
-        raise CheckpointError(missing_checkpoint_message(config.model, checkpoint))
+            ensure_pulled(config.model, log=lambda message: print(message, file=sys.stderr))
+        checkpoint = resolve_checkpoint_dir(config.model)
+        if not is_complete(checkpoint):
+            raise CheckpointError(missing_checkpoint_message(config.model, checkpoint))
     if dist is not None and not dist.is_leader:
         return run_process(dist, lambda: _follow_leader(config, dist))
     settings = ServerSettings(
@@ -394,8 +436,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     def run() -> int:
         code = asyncio.run(serve(settings, build_engine, args.host, args.port, shutdown_timeout=args.shutdown_timeout))
-        if code == 0 and built and built[0].runner.followers is not None:
-            built[0].runner.followers.close()  # tells the followers to exit 0 too
+        if code == 0 and built:
+            built[0].close()  # on several processes: tells the followers to exit 0 too
         return code
 
     return run() if dist is None else run_process(dist, run)

@@ -39,6 +39,7 @@ DTypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
 # jax's names (jax.default_matmul_precision); auto = highest for float32 models, default otherwise.
 MatmulPrecision = Literal["auto", "highest", "high", "default"]
 SpeculativeMethod = Literal["ngram", "draft_model"]
+LoadFormat = Literal["auto", "dummy"]  # auto: the checkpoint's weights; dummy: seeded random ones (vLLM's names)
 
 
 # The choice lists, defined once: the CLI's choices, the TOML loader's checks and their errors use them.
@@ -47,6 +48,8 @@ ATTENTION_IMPL_CHOICES: tuple[str, ...] = typing.get_args(AttentionImpl)
 DTYPE_CHOICES: tuple[str, ...] = typing.get_args(DTypeSetting)
 KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = typing.get_args(KVCacheDType)
 MATMUL_PRECISION_CHOICES: tuple[str, ...] = typing.get_args(MatmulPrecision)
+SPECULATIVE_METHODS: tuple[str, ...] = typing.get_args(SpeculativeMethod)
+LOAD_FORMAT_CHOICES: tuple[str, ...] = typing.get_args(LoadFormat)
 
 
 def matmul_precision_for(setting: str, model_dtype: str) -> str:
@@ -57,7 +60,6 @@ def matmul_precision_for(setting: str, model_dtype: str) -> str:
     if setting != "auto":
         return setting
     return "highest" if model_dtype == "float32" else "default"
-SPECULATIVE_METHODS: tuple[str, ...] = typing.get_args(SpeculativeMethod)
 
 
 class ConfigError(ValueError):
@@ -256,15 +258,30 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16  # tokens per KV page
-    kv_cache_memory: int = 1 << 30  # bytes of KV cache on each device (its stage's layers, its share of the heads)
+    # Bytes of KV cache on each device (its stage's layers, its share of the heads). None: on an
+    # accelerator, what device_memory_utilization x the device's memory leaves after the parameters
+    # and the reserve; on CPU (no memory figure to size from) DEFAULT_CPU_KV_CACHE_MEMORY.
+    kv_cache_memory: int | None = None
     enable_prefix_caching: bool = False
     # KV pages' dtype: auto = the model's (the reference); bfloat16 halves the bytes attention reads
     # and doubles the pages a budget holds, at a small cost in precision (README, "Dtypes").
     kv_cache_dtype: KVCacheDType = "auto"
+    # vLLM's gpu_memory_utilization: the fraction of each accelerator's memory (as JAX reports it)
+    # for parameters and KV pages; the rest is kept for activations and workspace.
+    device_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
-        _check_positive(self, "page_size", "kv_cache_memory")
+        _check_positive(self, "page_size")
+        if self.kv_cache_memory is not None:
+            _check_positive(self, "kv_cache_memory")
+        fraction = self.device_memory_utilization
+        _require(isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0 < fraction <= 1,
+                 f"CacheConfig.device_memory_utilization must be a fraction in (0, 1], e.g. 0.9, "
+                 f"got {self.device_memory_utilization!r}")
         _check_literal(self, "kv_cache_dtype", KV_CACHE_DTYPE_CHOICES)
+
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # bytes per CPU device when kv_cache_memory is not given
 
 
 def kv_page_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
@@ -361,8 +378,17 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    # Weights and tokenizer (scale-out). "dummy": seeded random weights of the model's shapes (a preset
+    # name, or a checkpoint directory's model.toml), made on each device for its own shard: a layout can
+    # be tried and benchmarked without the weights; outputs are meaningless.
+    load_format: LoadFormat = "auto"
+    dummy_seed: int = 0  # the dummy weights' seed: the same seed, the same weights, whatever the layout
+    tokenizer: str | None = None  # checkpoint name or directory whose tokenizer to use (default: the model's own)
 
     def __post_init__(self) -> None:
+        _check_literal(self, "load_format", LOAD_FORMAT_CHOICES)
+        _require(isinstance(self.dummy_seed, int) and not isinstance(self.dummy_seed, bool) and self.dummy_seed >= 0,
+                 f"EngineConfig.dummy_seed must be a non-negative integer, got {self.dummy_seed!r}")
         _check_literal(self, "attention_impl", ATTENTION_IMPL_CHOICES)
         _check_literal(self, "dtype", DTYPE_CHOICES)
         _check_literal(self, "matmul_precision", MATMUL_PRECISION_CHOICES)

@@ -30,7 +30,8 @@ class LLM:
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 512,
         page_size: int = 16,
-        kv_cache_memory: int = 1 << 30,
+        kv_cache_memory: int | None = None,
+        device_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = False,
         kv_cache_dtype: str = "auto",
         attention_impl: str = "auto",
@@ -40,6 +41,9 @@ class LLM:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         speculative_config: dict | SpeculativeConfig | None = None,
+        load_format: str = "auto",
+        dummy_seed: int = 0,
+        tokenizer: str | None = None,
         token_buckets: Sequence[int] | None = None,
         seq_buckets: Sequence[int] | None = None,
         show_progress: bool = True,
@@ -47,7 +51,10 @@ class LLM:
         distributed=None,
     ):
         """`model`: a preset name (pulled on first use if it has published weights) or a checkpoint
-        directory. `kv_cache_memory`: bytes of KV cache per device. `token_buckets` / `seq_buckets`
+        directory. `kv_cache_memory`: bytes of KV cache per device (default: sized from
+        `device_memory_utilization` x each accelerator's memory; 1 GiB on CPU). `load_format="dummy"`: seeded random
+        weights (`dummy_seed`) of the model's shapes, for trying a layout without its weights; `tokenizer`:
+        another checkpoint's tokenizer (name or directory). `token_buckets` / `seq_buckets`
         override the compiled step shapes (default: powers of two up to the limits). `config`: a whole
         EngineConfig (e.g. from a TOML file), used instead of the engine keyword arguments.
         `speculative_config`: vLLM's dict (or a SpeculativeConfig), e.g. {"method": "ngram",
@@ -59,11 +66,13 @@ class LLM:
         if config is not None:
             engine_args = dict(model=model, scheduling_policy=scheduling_policy, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
-                               kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
+                               kv_cache_memory=kv_cache_memory, device_memory_utilization=device_memory_utilization,
+                               enable_prefix_caching=enable_prefix_caching,
                                kv_cache_dtype=kv_cache_dtype, attention_impl=attention_impl,
                                max_model_len=max_model_len, dtype=dtype, matmul_precision=matmul_precision,
                                tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                               speculative_config=speculative_config)
+                               speculative_config=speculative_config, load_format=load_format, dummy_seed=dummy_seed,
+                               tokenizer=tokenizer)
             defaults = inspect.signature(LLM.__init__).parameters
             given = sorted(name for name, value in engine_args.items() if value != defaults[name].default)
             if given:
@@ -75,7 +84,11 @@ class LLM:
             dtype=dtype,
             matmul_precision=matmul_precision,
             attention_impl=attention_impl,
+            load_format=load_format,
+            dummy_seed=dummy_seed,
+            tokenizer=tokenizer,
             cache=CacheConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
+                              device_memory_utilization=device_memory_utilization,
                               enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(policy=scheduling_policy, max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens),
@@ -89,6 +102,10 @@ class LLM:
         self.runner = self.engine.runner
         self.tokenizer = self.engine.tokenizer
         self.show_progress = show_progress
+
+    def close(self) -> None:
+        """Done with this LLM: on several processes, the followers are told to exit."""
+        self.engine.close()
 
     @property
     def num_compilations_after_warmup(self) -> int:

@@ -14,7 +14,8 @@ from orca_jax.config import (
     model_preset_names,
 )
 
-REQUIRED_PRESETS = {"tiny", "gpt2-124m", "gpt3-13b", "gpt3-175b", "smollm2-135m-instruct"}
+REQUIRED_PRESETS = {"tiny", "gpt2-124m", "gpt3-13b", "gpt3-175b", "smollm2-135m-instruct", "llama-3-8b", "llama-3-70b",
+                    "tinyllama-1.1b"}
 
 
 def test_presets_load_with_the_published_sizes():
@@ -24,6 +25,9 @@ def test_presets_load_with_the_published_sizes():
     assert round(load_model_preset("smollm2-135m-instruct").num_params() / 1e6) == 135
     assert round(load_model_preset("gpt3-175b").num_params() / 1e9) == 175
     assert round(load_model_preset("gpt3-13b").num_params() / 1e9) == 13
+    assert round(load_model_preset("llama-3-8b").num_params() / 1e8) == 80  # 8.03 B
+    assert round(load_model_preset("llama-3-70b").num_params() / 1e9) == 71  # 70.6 B
+    assert round(load_model_preset("tinyllama-1.1b").num_params() / 1e8) == 11  # 1.10 B
 
 
 def test_unknown_key_names_key_file_and_allowed_keys(tmp_path):
@@ -147,3 +151,9 @@ def test_rope_freq_factors_round_trip_through_toml_and_are_validated(tmp_path):
     path.write_text(model_config_to_toml(config).replace("[1.0, 1.0,", '["a", 1.0,'))
     with pytest.raises(ConfigError, match="rope_freq_factors\\[0\\] = 'a' has type str; expected float"):
         load_toml(ModelConfig, path)
+
+
+@pytest.mark.parametrize("fraction", [0, 1.2, -0.1, True, "0.9"])
+def test_device_memory_utilization_must_be_a_fraction(fraction):
+    with pytest.raises(ConfigError, match="device_memory_utilization must be a fraction in"):
+        CacheConfig(device_memory_utilization=fraction)

@@ -135,28 +135,86 @@ def read_model_config(name_or_path: str | os.PathLike) -> ModelConfig:
         raise CheckpointError(f"checkpoint {path} has an invalid model.toml: {e}") from None
 
 
-def load_model(name_or_path: str | os.PathLike, dtype: str | None = None) -> LoadedModel:
-    """Loads config, weights and tokenizer of a checkpoint (by preset name or directory). `dtype`
-    ("float32", "bfloat16", ...) casts the weights and the model's compute to it; None keeps the
-    checkpoint's."""
+def open_model(name_or_path: str | os.PathLike, dtype: str | None = None) -> LoadedModel:
+    """A checkpoint's config, tokenizer and decoder structure, its stored shapes checked, without
+    reading any weight: the model holds ShapeDtypeStructs. The runner then restores each stage's
+    parameters straight into their shardings (`CheckpointWeights`). `dtype` as for load_model."""
     path = resolve_checkpoint_dir(name_or_path)
     config = read_model_config(name_or_path)
     if dtype is not None:
         config = dataclasses.replace(config, dtype=dtype)
     model = abstract_decoder(config)
-    graphdef, state = nnx.split(model)
-    template = flatten_params(nnx.to_pure_dict(state))
+    template = flatten_params(nnx.to_pure_dict(nnx.state(model)))
+    _check_shapes(_stored_shapes(path), {k: tuple(v.shape) for k, v in template.items()}, path)
+    tokenizer = Tokenizer.load(path) if (path / "tokenizer.json").is_file() else None
+    return LoadedModel(config=config, model=model, tokenizer=tokenizer, path=path)
+
+
+def _stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     with ocp.StandardCheckpointer() as checkpointer:
         stored = checkpointer.metadata(path / "params")
-        stored = getattr(stored, "item_metadata", stored)  # orbax versions differ in the wrapper
-        stored_shapes = {k: tuple(v.shape) for k, v in dict(stored).items()}
-        _check_shapes(stored_shapes, {k: tuple(v.shape) for k, v in template.items()}, path)
-        restored = checkpointer.restore(path / "params", template)
+    stored = getattr(stored, "item_metadata", stored)  # orbax versions differ in the wrapper
+    return {k: tuple(v.shape) for k, v in dict(stored).items()}
+
+
+def load_model(name_or_path: str | os.PathLike, dtype: str | None = None) -> LoadedModel:
+    """Loads config, weights and tokenizer of a checkpoint (by preset name or directory), the
+    weights whole on the host (tests and tools; the engine restores sharded, `open_model`). `dtype`
+    ("float32", "bfloat16", ...) casts the weights and the model's compute to it; None keeps the
+    checkpoint's."""
+    opened = open_model(name_or_path, dtype)
+    graphdef, state = nnx.split(opened.model)
+    template = flatten_params(nnx.to_pure_dict(state))
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(opened.path / "params", template)
     nested = _unflatten(nnx.to_pure_dict(state), restored)
     dtypes = nnx.to_pure_dict(state)  # the abstract model's arrays: the dtype each parameter takes
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda v, t: jax.numpy.asarray(v, dtype=t.dtype), nested, dtypes))
-    tokenizer = Tokenizer.load(path) if (path / "tokenizer.json").is_file() else None
-    return LoadedModel(config=config, model=nnx.merge(graphdef, state), tokenizer=tokenizer, path=path)
+    return dataclasses.replace(opened, model=nnx.merge(graphdef, state))
+
+
+def stage_parameter_name(path: tuple, layers: range, tied: bool) -> str:
+    """A parameter's name in the whole decoder (the checkpoint's key, e.g. `layers.17.attn.q.kernel`),
+    from its tree path in a DecoderStage's state, whose layers are numbered from 0 and whose LM head
+    is `head`."""
+    parts = [str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))) for key in path]
+    if parts[-1] == "value":  # a tree path into an nnx.State ends at the Variable's `value`
+        parts.pop()
+    if parts[0] == "layers":
+        parts[1] = str(layers[int(parts[1])])
+    elif parts[0] == "head":
+        parts[0] = "embed" if tied else "lm_head"
+    return ".".join(parts)
+
+
+@dataclasses.dataclass
+class CheckpointWeights:
+    """A stage's parameters read from a checkpoint: only that stage's keys, each restored by orbax
+    straight into its sharding, so every device receives only its own shard and a process reads only
+    the layers of the stages it owns (`read` counts them)."""
+
+    path: Path
+    read: dict[str, int] = dataclasses.field(default_factory=dict)  # parameter name -> bytes read
+
+    def describe(self) -> str:  # the same on every host, wherever the checkpoint is mounted
+        return "checkpoint"
+
+    def summary(self) -> str:
+        return (f"read {len(self.read)} of {len(_stored_shapes(self.path))} parameters "
+                f"({sum(self.read.values()) / 2**20:.1f} MiB) from {self.path}")
+
+    def stage_params(self, abstract_state, shardings, *, layers: range, tied: bool):
+        names = jax.tree_util.tree_map_with_path(lambda p, _: stage_parameter_name(p, layers, tied), abstract_state)
+        flat_names, tree = jax.tree.flatten(names)
+        specs, placements = jax.tree.leaves(abstract_state), jax.tree.leaves(shardings)
+        wanted = dict(zip(flat_names, zip(specs, placements)))  # a tied embedding appears once
+        item = {k: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=where) for k, (spec, where) in wanted.items()}
+        restore_args = {k: ocp.ArrayRestoreArgs(sharding=where, dtype=spec.dtype) for k, (spec, where) in wanted.items()}
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            restored = checkpointer.restore(self.path / "params", args=ocp.args.PyTreeRestore(
+                item=item, restore_args=restore_args, partial_restore=True))
+        self.read.update({k: v.size * v.dtype.itemsize for k, v in item.items()})
+        return jax.tree.unflatten(tree, [restored[name] for name in flat_names])
 
 
 def _unflatten(template: dict, flat: dict[str, Any], prefix: str = "") -> dict:

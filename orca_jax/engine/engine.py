@@ -175,6 +175,14 @@ class LLMEngine:
         self.output_processor.forget(group)
         return True
 
+    def close(self) -> None:
+        """Ends the runner's work beyond this process: a multi-host leader tells its followers
+        that no more steps come, so they exit 0 (a runner of one process, or a mock, has nothing
+        to close)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
 

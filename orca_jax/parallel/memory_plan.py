@@ -28,9 +28,10 @@ from orca_jax.sizes import format_bytes
 
 # Device memory kept back for everything besides parameters and KV: one step's activations
 # ([T, D] buffers, the MLP's [T, F/tp], [S, V/tp] f32 logits: tens of MB even for 175B at 512
-# tokens), XLA's scratch and compiled programs, and allocator fragmentation. A fixed 10% is
-# vLLM's default (gpu_memory_utilization=0.9): simple, familiar, and generous for the activations.
+# tokens), XLA's scratch and compiled programs, and allocator fragmentation. By default 10%, as
+# vLLM's gpu_memory_utilization=0.9: the reserve is what the utilization leaves, (1 - F) x memory.
 RESERVE_FRACTION = 0.10
+DEFAULT_MEMORY_UTILIZATION = 1 - RESERVE_FRACTION
 
 FIX = "use more devices (larger tensor_parallel_size or pipeline_parallel_size)"
 
@@ -57,6 +58,7 @@ class MemoryPlan:
     device_memory: int | None  # bytes per device, None when only the KV budget was given
     reserve_bytes: int  # per device, kept for activations and workspace (0 without device_memory)
     num_pages: int  # KV pages, the same on every device
+    memory_utilization: float = DEFAULT_MEMORY_UTILIZATION  # of device_memory, parameters + KV
 
     @property
     def param_bytes(self) -> int:
@@ -92,15 +94,18 @@ class MemoryPlan:
             f"({self.kv_heads // self.tensor_parallel_size} per device)",
             f"  per device: parameters {format_bytes(self.param_bytes)}, KV cache {format_bytes(self.kv_bytes)}"
             + ("" if self.device_memory is None else
-               f", reserve {format_bytes(self.reserve_bytes)} ({RESERVE_FRACTION:.0%}) for activations and workspace"),
+               f", reserve {format_bytes(self.reserve_bytes)} ({1 - self.memory_utilization:.0%}) for activations and "
+               "workspace"),
             f"  KV: {self.num_pages} pages x {self.page_size} tokens ({format_bytes(self.kv_bytes_per_page)} each) = "
             f"{self.num_tokens} tokens = {self.num_full_sequences} sequences of {self.max_model_len} tokens",
         ]
         return "\n".join(lines)
 
     def one_line(self) -> str:
+        memory = ("" if self.device_memory is None else
+                  f" of {self.memory_utilization:g} x {format_bytes(self.device_memory)} per device")
         return (
-            f"memory plan: {self.model_name} {self.dtype} {self._layout()}: "
+            f"memory plan: {self.model_name} {self.dtype} {self._layout()}{memory}: "
             f"parameters {format_bytes(self.param_bytes)}/device, KV {self.num_pages} pages x {self.page_size} = "
             f"{self.num_tokens} tokens ({format_bytes(self.kv_bytes)}/device, "
             f"{self.num_full_sequences} x {self.max_model_len}-token sequences)"
@@ -171,6 +176,7 @@ def plan_memory(
     kv_cache_memory: int | None = None,
     dtype: DType | None = None,
     kv_cache_dtype: str = "auto",
+    memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
 ) -> MemoryPlan:
     """Plans parameters and KV pages per device, or raises ConfigError naming the shortfall and fix.
 
@@ -178,7 +184,9 @@ def plan_memory(
     default: pass that figure, or raise XLA_PYTHON_CLIENT_MEM_FRACTION). `kv_cache_memory`: KV bytes
     per device; without it the KV cache takes what parameters and the reserve leave.
     `max_model_len` defaults to the model's context length; `dtype` overrides the model's;
-    `kv_cache_dtype` is the KV pages' ("auto": the model's).
+    `kv_cache_dtype` is the KV pages' ("auto": the model's). `memory_utilization` (vLLM's
+    gpu_memory_utilization): the fraction of `device_memory` for parameters and KV; the rest is the
+    reserve.
     """
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     if dtype is not None:
@@ -191,6 +199,8 @@ def plan_memory(
         raise ConfigError(f"max_model_len={max_model_len} exceeds {model.name!r}'s context length {model.max_position}")
     if device_memory is None and kv_cache_memory is None:
         raise ConfigError("give device_memory (bytes per device) or kv_cache_memory (KV bytes per device)")
+    if not 0 < memory_utilization <= 1:
+        raise ConfigError(f"memory utilization {memory_utilization} must be in (0, 1], e.g. 0.9")
 
     # The runtime model: KV heads replicated up to tp (the K/V projections then have tp heads).
     kv_heads = kv_heads_for_tp(model, tp)
@@ -209,13 +219,14 @@ def plan_memory(
 
     reserve = 0
     if device_memory is not None:
-        reserve = int(device_memory * RESERVE_FRACTION)
+        reserve = device_memory - int(device_memory * memory_utilization)
         if largest.param_bytes + reserve > device_memory:
             short = largest.param_bytes + reserve - device_memory
             raise ConfigError(
                 f"{model.name} ({model.dtype}) does not fit tp {tp} x pp {pp} on {format_bytes(device_memory)} "
-                f"devices: parameters need {format_bytes(largest.param_bytes)} per device plus a "
-                f"{format_bytes(reserve)} reserve, short by {format_bytes(short)} per device; {FIX}"
+                f"devices at memory utilization {memory_utilization:g}: parameters need "
+                f"{format_bytes(largest.param_bytes)} per device plus a {format_bytes(reserve)} reserve, short by "
+                f"{format_bytes(short)} per device; {FIX}, or raise the memory utilization"
             )
 
     # KV budget of each stage; a stage's budget / its page size bounds the shared page count.
@@ -245,5 +256,5 @@ def plan_memory(
     return MemoryPlan(
         model_name=model.name, dtype=model.dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp,
         kv_heads=kv_heads, page_size=page_size, max_model_len=max_model_len, stages=stages,
-        device_memory=device_memory, reserve_bytes=reserve, num_pages=num_pages,
+        device_memory=device_memory, reserve_bytes=reserve, num_pages=num_pages, memory_utilization=memory_utilization,
     )

@@ -22,9 +22,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="devices each layer is split over")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="stages the layers are split into")
     parser.add_argument("--device-memory", type=byte_size,
-                        help="memory of each device, e.g. 40GiB; the KV cache gets what parameters and a 10%% reserve "
+                        help="memory of each device, e.g. 40GiB; the KV cache gets what parameters and the reserve "
                              "leave")
     parser.add_argument("--kv-cache-memory", type=byte_size, help="KV cache bytes per device, e.g. 4GiB")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, dest="memory_utilization",
+                        help="fraction of --device-memory for parameters and KV (default 0.9); the rest is the reserve")
     parser.add_argument("--page-size", type=int, default=CacheConfig().page_size, help="tokens per KV page")
     parser.add_argument("--max-model-len", type=int, help="tokens per sequence (default: the model's context length)")
     parser.add_argument("--dtype", choices=typing.get_args(DType), help="override the model's parameter dtype")
@@ -60,6 +62,7 @@ def plan_command(args: argparse.Namespace) -> int:
         plan = plan_memory(
             resolve_model_config(args.model), parallel, page_size=args.page_size, max_model_len=args.max_model_len,
             device_memory=args.device_memory, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
+            memory_utilization=args.memory_utilization,
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -44,11 +44,26 @@ def replicate_kv_heads(state, num_kv_heads: int):
     on the runner's copy of the state (the loaded model is untouched); outputs are unchanged."""
 
     def widen(path, x):
-        names = [str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))) for key in path]
-        i = names.index("attn") if "attn" in names else -1
-        if i < 0 or names[i + 1] not in ("k", "v"):
+        kind = _kv_projection_leaf(path)
+        if kind is None:
             return x
-        head_axis = -2 if names[i + 2] == "kernel" else 0  # kernel [D, K, Dh], bias [K, Dh]
+        head_axis = -2 if kind == "kernel" else 0  # kernel [D, K, Dh], bias [K, Dh]
         return jnp.repeat(x, num_kv_heads // x.shape[head_axis], axis=head_axis)
 
     return jax.tree_util.tree_map_with_path(widen, state)
+
+
+def kv_projections_replicated(shardings, replicated):
+    """`shardings` with the K/V projections' leaves set to `replicated` (where they are restored
+    before `replicate_kv_heads` widens them)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, s: replicated if _kv_projection_leaf(path) is not None else s, shardings)
+
+
+def _kv_projection_leaf(path) -> str | None:
+    """"kernel" or "bias" for a leaf of a K or V projection, else None."""
+    names = [str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))) for key in path]
+    i = names.index("attn") if "attn" in names else -1
+    if i < 0 or names[i + 1] not in ("k", "v"):
+        return None
+    return names[i + 2]

@@ -14,14 +14,19 @@ from typing import Sequence
 import jax
 
 from orca_jax.checkpoint.convert import ensure_pulled
-from orca_jax.checkpoint.store import LoadedModel, load_model, read_model_config
-from orca_jax.config import ConfigError, EngineConfig
+from orca_jax.checkpoint.dummy import DummyWeights
+from orca_jax.checkpoint.store import (CheckpointWeights, LoadedModel, open_model, read_model_config,
+                                       resolve_checkpoint_dir)
+from orca_jax.config import DEFAULT_CPU_KV_CACHE_MEMORY, ConfigError, EngineConfig, ModelConfig
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.runner.model_runner import ModelRunner
 from orca_jax.runner.speculation import NgramProposer
 from orca_jax.engine.step_plan import Buckets
+from orca_jax.tokenizer import Tokenizer
+from orca_jax.model.decoder import abstract_decoder
 from orca_jax.parallel.memory_plan import plan_memory
-from orca_jax.parallel.multihost import DistributedConfig
+from orca_jax.parallel.plan_cli import resolve_model_config
+from orca_jax.parallel.multihost import DistributedConfig, PlanSender
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,13 +43,11 @@ def build_engine(config: EngineConfig, options: BuildOptions = BuildOptions(),
                  distributed: DistributedConfig | None = None) -> LLMEngine:
     """Loads the model (pulled on first use), checks the layout, sizes the KV cache, compiles every
     bucket and returns the engine. Configuration errors raise before any device program is built. With
-    `distributed` (this process is the leader), the followers must connect before warm-up, which
-    they run in lockstep."""
+    `distributed` (this process is the leader), the followers must show the same layout before
+    warm-up, which they run in lockstep."""
     runner, loaded, max_model_len = build_runner(config, options, loaded, devices, distributed)
     if distributed is not None:
-        from orca_jax.parallel.multihost import PlanSender
-
-        runner.followers = PlanSender(distributed, runner.layout_key())
+        runner.followers = PlanSender(distributed, runner.layout_settings(), runner.last_stage_process)
     runner.warm_up(show_progress=options.show_progress)
     return LLMEngine(config, loaded.config, runner, loaded.tokenizer, max_model_len)
 
@@ -53,16 +56,11 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
                  devices: list | None = None, distributed: DistributedConfig | None = None):
     """The runner, not yet warmed up (a follower process compiles its own stages' programs, then
     runs the leader's warm-up step as a plan). Returns (runner, loaded model, max_model_len)."""
+    weights = None  # a given model's own arrays
     if loaded is None:
-        if distributed is None:  # several processes pulling into one folder would race: pull first
-            ensure_pulled(config.model, log=lambda message: print(message, file=sys.stderr))
-        stored = read_model_config(config.model)
         platform = devices[0].platform if devices else jax.default_backend()
-        dtype = run_dtype(config.dtype, stored.dtype, platform)
-        if dtype != stored.dtype and config.dtype == "auto" and options.show_progress:
-            print(f"orca_jax: {stored.name} is stored in {stored.dtype}; running it in {dtype} on {platform}, "
-                  f"where {stored.dtype} is slower (--dtype {stored.dtype} keeps it)", file=sys.stderr)
-        loaded = load_model(config.model, dtype=dtype)
+        loaded = _load(config, options, platform, pull=distributed is None)
+        weights = DummyWeights(config.dummy_seed) if config.load_format == "dummy" else CheckpointWeights(loaded.path)
     elif config.dtype not in ("auto", loaded.config.dtype):
         raise ConfigError(f"dtype={config.dtype!r} but the given model is loaded in {loaded.config.dtype}; "
                           "load it with load_model(..., dtype=...)")
@@ -71,16 +69,23 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
     if max_model_len > model_config.max_position:
         raise ConfigError(f"max_model_len={max_model_len} exceeds {model_config.name}'s context length of "
                           f"{model_config.max_position} tokens; lower it")
-    # Checks the layout (tp divisibility, stages) and sizes the pages per device from kv_cache_memory;
-    # refuses a cache that cannot hold one max-length sequence.
-    plan = plan_memory(model_config, config.parallel, page_size=config.cache.page_size, max_model_len=max_model_len,
-                       kv_cache_memory=config.cache.kv_cache_memory, kv_cache_dtype=config.cache.kv_cache_dtype)
+    # Checks the layout (tp divisibility, stages) and sizes the pages per device, from the devices'
+    # memory or kv_cache_memory; refuses a layout that does not fit, or a cache that cannot hold one
+    # max-length sequence, before any weight is read.
+    cache = config.cache
+    device_memory = _device_memory(devices)
+    kv_cache_memory = cache.kv_cache_memory
+    if kv_cache_memory is None and device_memory is None:
+        kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
+    plan = plan_memory(model_config, config.parallel, page_size=cache.page_size, max_model_len=max_model_len,
+                       device_memory=device_memory, kv_cache_memory=kv_cache_memory,
+                       kv_cache_dtype=cache.kv_cache_dtype, memory_utilization=cache.device_memory_utilization)
     runner = ModelRunner(loaded.model, num_pages=plan.num_pages, page_size=config.cache.page_size,
                          max_model_len=max_model_len, buckets=bucket_set(config, options),
                          attention_impl=config.attention_impl, parallel=config.parallel, devices=devices,
                          step_timeout=None if distributed is None else distributed.step_timeout,
                          kv_cache_dtype=config.cache.kv_cache_dtype, matmul_precision=config.matmul_precision,
-                         proposer=proposer_of(config))
+                         proposer=proposer_of(config), weights=weights)
     if options.show_progress:
         print(f"orca_jax: {model_config.name}, policy {config.scheduler.policy}, {runner.describe()}\n"
               f"{plan.one_line()}", file=sys.stderr)
@@ -96,6 +101,59 @@ def proposer_of(config: EngineConfig) -> NgramProposer | None:
         raise ConfigError(f"speculative_config.method={spec.method!r} is not implemented yet; use 'ngram' "
                           "(README, Speculative decoding)")
     return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+
+def _load(config: EngineConfig, options: BuildOptions, platform: str, pull: bool) -> LoadedModel:
+    """The model as `config.load_format` says, as shapes only (the runner restores or makes each
+    stage's weights on its devices): a checkpoint's (pulled first when `pull`: several processes
+    pulling into one folder would race), or a preset's for "dummy". `config.tokenizer` replaces
+    the model's tokenizer."""
+    dummy = config.load_format == "dummy"
+    if pull and not dummy:
+        ensure_pulled(config.model, log=lambda message: print(message, file=sys.stderr))
+    stored = resolve_model_config(config.model) if dummy else read_model_config(config.model)
+    dtype = run_dtype(config.dtype, stored.dtype, platform)
+    if dtype != stored.dtype and config.dtype == "auto" and options.show_progress:
+        print(f"orca_jax: {stored.name} is stored in {stored.dtype}; running it in {dtype} on {platform}, "
+              f"where {stored.dtype} is slower (--dtype {stored.dtype} keeps it)", file=sys.stderr)
+    if dummy:
+        model_config = dataclasses.replace(stored, dtype=dtype)
+        directory = resolve_checkpoint_dir(config.model)
+        own = directory if (directory / "tokenizer.json").is_file() else None
+        loaded = LoadedModel(model_config, abstract_decoder(model_config), own and Tokenizer.load(own), directory)
+        print(f"orca_jax: --load-format dummy: the weights of {model_config.name} are RANDOM (seed {config.dummy_seed}); "
+              "the outputs mean nothing: for trying layouts and speed", file=sys.stderr)
+    else:
+        loaded = open_model(config.model, dtype=dtype)
+    if config.tokenizer is not None:
+        loaded.tokenizer = borrowed_tokenizer(config.tokenizer, loaded.config)
+    return loaded
+
+
+def borrowed_tokenizer(name_or_path: str, model: ModelConfig) -> Tokenizer:
+    """`--tokenizer`: the tokenizer of another checkpoint (name or directory); its ids must all be
+    ids of `model`'s vocabulary."""
+    directory = resolve_checkpoint_dir(name_or_path)
+    if not (directory / "tokenizer.json").is_file():
+        raise ConfigError(f"tokenizer={name_or_path!r}: {directory} has no tokenizer.json; give a checkpoint name or "
+                          "directory that has one (e.g. smollm2-135m-instruct after `orca-jax pull`)")
+    tokenizer = Tokenizer.load(directory)
+    if tokenizer.vocab_size > model.vocab_size:
+        raise ConfigError(f"tokenizer={name_or_path!r} has {tokenizer.vocab_size} tokens but {model.name} has a vocabulary "
+                          f"of {model.vocab_size}: its ids would fall outside the model's; borrow a tokenizer of at "
+                          f"most {model.vocab_size} tokens")
+    return tokenizer
+
+
+def _device_memory(devices: list | None) -> int | None:
+    """The smallest memory JAX gives any of this process's accelerators (bytes_limit: on a GPU, the
+    share XLA_PYTHON_CLIENT_MEM_FRACTION allows, 75% by default), or None on CPU, which reports none
+    (kv_cache_memory then sizes the cache)."""
+    local = [d for d in (devices or jax.devices()) if d.process_index == jax.process_index()]
+    if local[0].platform == "cpu":
+        return None
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in local]
+    return min(limits) if all(limits) else None
 
 
 def run_dtype(setting: str, stored: str, platform: str) -> str:

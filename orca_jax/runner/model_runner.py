@@ -53,7 +53,7 @@ from orca_jax.model.sampler import SamplerOutput, SamplingMetadata, sample
 from orca_jax.sampling_params import MAX_LOGPROBS
 from orca_jax.parallel import kv_cache_sharding, param_shardings, stage_meshes
 from orca_jax.parallel.layout import check_parallel, kv_heads_for_tp, stage_layer_ranges
-from orca_jax.parallel.tensor_parallel import replicate_kv_heads, sharded_paged_attention
+from orca_jax.parallel.tensor_parallel import kv_projections_replicated, replicate_kv_heads, sharded_paged_attention
 from orca_jax.runner.speculation import (NgramProposer, SpeculationMetadata, SpeculativeOutput, verify_and_propose,
                                          write_tokens)
 
@@ -140,6 +140,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         matmul_precision: str = "auto",
         proposer: NgramProposer | None = None,
+        weights=None,
     ):
         """`attention_impl`: "auto", "native", "xla", "pallas" or "pallas-interpret", resolved here
         for the devices' platform. `devices` (default: all of jax.devices(), every process's) are split
@@ -149,7 +150,9 @@ class ModelRunner:
         are kept in `kv_cache_dtype` ("auto": the model's dtype). Every program is traced with
         `matmul_precision` (config.matmul_precision_for: "auto" is full precision for float32 models).
         `proposer`: speculative decoding's n-gram drafts (speculation.py); `buckets` then need logit-row
-        buckets (`with_draft_rows`)."""
+        buckets (`with_draft_rows`). `weights` (a CheckpointWeights or DummyWeights): the model is
+        abstract (shapes only) and each stage's parameters come from it, straight into their
+        shardings; None: the model's own arrays are placed."""
         enable_compilation_cache()
         config = model.config
         check_parallel(config, parallel)
@@ -165,6 +168,7 @@ class ModelRunner:
         self.executable_store = executable_store or ExecutableStore.default()
         self.kv_dtype = jnp.dtype(kv_page_dtype(kv_cache_dtype, config.dtype))
         self.matmul_precision = matmul_precision_for(matmul_precision, config.dtype)
+        self.weights = weights
         self.buckets = buckets
         self.max_in_flight = parallel.pipeline_parallel_size
         platform = meshes[0].devices.flat[0].platform
@@ -206,9 +210,17 @@ class ModelRunner:
             return Stage(index, layers, mesh, replicated, first, last, local=False)
         graphdef, state = nnx.split(DecoderStage(model, layers, first=first, last=last))
         num_kv_heads = kv_shape[2]
-        if num_kv_heads != self.config.n_kv_heads:
-            state = replicate_kv_heads(state, num_kv_heads)
-        params = jax.device_put(state, param_shardings(state, mesh))
+        widen = num_kv_heads != self.config.n_kv_heads
+        shardings = param_shardings(state, mesh)
+        if self.weights is None:
+            params = jax.device_put(replicate_kv_heads(state, num_kv_heads) if widen else state, shardings)
+        else:
+            # K/V projections that are widened to tp heads arrive whole on every device (their
+            # original head count does not split over tp), are widened there, then resharded.
+            params = self.weights.stage_params(state, kv_projections_replicated(shardings, replicated) if widen
+                                               else shardings, layers=layers, tied=self.config.tie_word_embeddings)
+            if widen:
+                params = jax.device_put(replicate_kv_heads(params, num_kv_heads), shardings)
         kv_sharding = kv_cache_sharding(mesh)
         zeros = jax.jit(lambda: jnp.zeros(kv_shape, self.kv_dtype), out_shardings=kv_sharding)
         attention = sharded_paged_attention(self.attention_impl, mesh)
@@ -253,17 +265,35 @@ class ModelRunner:
     def max_pages_per_seq(self) -> int:
         return self.kv_layout.max_pages_per_seq
 
-    def layout_key(self) -> str:
-        """Everything the processes of one model must agree on (multi-host checks it at start-up)."""
-        return repr((self.config, self.parallel, self.kv_layout, self.kv_dtype.name, self.buckets,
-                     self.attention_impl, self.matmul_precision, self.proposer))
+    def layout_settings(self) -> dict[str, str]:
+        """Everything the processes of one model must agree on, one entry per setting (multi-host
+        compares them at start-up and names each that differs)."""
+        settings = {"kv_dtype": self.kv_dtype.name, "attention_impl": self.attention_impl,
+                    "matmul_precision": self.matmul_precision, "proposer": repr(self.proposer),
+                    "weights": "the model's arrays" if self.weights is None else self.weights.describe()}
+        for name, value in (("model", self.config), ("parallel", self.parallel), ("kv_layout", self.kv_layout),
+                            ("buckets", self.buckets)):
+            settings.update({f"{name}.{f.name}": repr(getattr(value, f.name)) for f in dataclasses.fields(value)})
+        return settings
+
+    def close(self) -> None:
+        """A multi-host leader's last word: the followers exit 0. Nothing to do on one process."""
+        if self.followers is not None:
+            self.followers.close()
+            self.followers = None
+
+    @property
+    def last_stage_process(self) -> int:
+        return self.stages[-1].mesh.devices.flat[0].process_index
 
     def describe(self) -> str:
         tp, pp = self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
         stages = ", ".join(f"layers {s.layers.start}-{s.layers.stop - 1} on {[d.id for d in s.mesh.devices.flat]}"
                            for s in self.stages)
         drafts = "" if self.proposer is None else f", n-gram drafts of up to {self.proposer.num_speculative_tokens}"
-        return f"tp {tp} x pp {pp} ({stages}), attention {self.attention_impl}, KV pages {self.kv_dtype.name}{drafts}"
+        weights = "" if self.weights is None else f"; weights: {self.weights.summary()}"
+        return (f"tp {tp} x pp {pp} ({stages}), attention {self.attention_impl}, KV pages {self.kv_dtype.name}"
+                f"{drafts}{weights}")
 
     # ---- compilation ---------------------------------------------------------------------
     def warm_up(self, show_progress: bool = True) -> float:

@@ -116,10 +116,11 @@ def test_multi_host_pods_get_their_process_from_the_index(monkeypatch):
     for index in range(spec["completions"]):
         args, config, dist = serve_config(expand(container["args"], {"JAX_PROCESS_ID": str(index)}), monkeypatch)
         assert dist.process_id == index and dist.num_processes == spec["completions"]
-        # Process 0 is pod <job>-0 under the headless Service; steps go out on the port + 1.
+        # Process 0 is pod <job>-0 under the headless Service; the steps go through the coordinator's
+        # port (jax.distributed's key-value store), no port of our own.
         host, port = dist.coordinator_address.rsplit(":", 1)
         assert host == f"{job['metadata']['name']}-0.{headless['metadata']['name']}"
-        assert {int(port), int(port) + 1} <= {p["port"] for p in headless["spec"]["ports"]}
+        assert {p["port"] for p in headless["spec"]["ports"]} == {int(port)}
         # tp inside a host, pp across hosts: each pod's GPUs are one stage's tp devices.
         assert config.parallel.pipeline_parallel_size == dist.num_processes
         assert container["resources"]["limits"]["nvidia.com/gpu"] == config.parallel.tensor_parallel_size

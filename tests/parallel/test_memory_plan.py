@@ -154,3 +154,20 @@ def test_dtype_override_halves_float32_parameters():
     bf16 = plan_memory(tiny, ParallelConfig(), page_size=16, kv_cache_memory=2**20, dtype="bfloat16")
     assert bf16.dtype == "bfloat16" and 2 * bf16.param_bytes == f32.param_bytes
     assert 2 * bf16.kv_bytes_per_page == f32.kv_bytes_per_page
+
+
+def test_the_kv_pages_follow_the_memory_utilization_and_a_shortfall_names_it():
+    model = load_model_preset("gpt3-13b")  # 23.9 GiB of bf16 parameters on one device
+    plans = {f: plan_memory(model, ParallelConfig(), page_size=16, device_memory=40 * GiB, memory_utilization=f)
+             for f in (0.7, 0.9, 0.95)}
+    for f, plan in plans.items():
+        usable = int(40 * GiB * f)
+        assert plan.reserve_bytes == 40 * GiB - usable
+        assert plan.num_pages == (usable - plan.param_bytes) // plan.kv_bytes_per_page
+        assert f"of {f:g} x 40.00 GiB per device" in plan.one_line()
+    assert plans[0.7].num_pages < plans[0.9].num_pages < plans[0.95].num_pages
+    with pytest.raises(ConfigError, match=r"memory utilization 0.5: parameters need 23.9\d GiB per device plus a "
+                                          r"20.00 GiB reserve, short by 3.9\d GiB per device.*raise the memory"):
+        plan_memory(model, ParallelConfig(), page_size=16, device_memory=40 * GiB, memory_utilization=0.5)
+    with pytest.raises(ConfigError, match="must be in"):
+        plan_memory(model, ParallelConfig(), page_size=16, device_memory=40 * GiB, memory_utilization=1.5)

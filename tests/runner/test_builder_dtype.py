@@ -41,21 +41,22 @@ def runner_for(path, dtype):
                           scheduler=SchedulerConfig(policy="orca", max_num_seqs=4, max_num_batched_tokens=16))
     runner, loaded, _ = build_runner(config, BuildOptions(token_buckets=[16], seq_buckets=[4]))
     stage = runner.stages[0]
-    return loaded, stage.params["layers"][0]["attn"]["q"]["kernel"][...].dtype, stage.kv_caches[0][0].dtype
+    return loaded, stage.params["layers"][0]["attn"]["q"]["kernel"][...], stage.kv_caches[0][0].dtype
 
 
 def test_auto_runs_a_bfloat16_checkpoint_in_float32_on_cpu_and_says_so(bf16_checkpoint, capsys):
-    loaded, param_dtype, kv_dtype = runner_for(bf16_checkpoint, "auto")
-    assert loaded.config.dtype == "float32" and param_dtype == kv_dtype == jnp.float32
+    loaded, q_kernel, kv_dtype = runner_for(bf16_checkpoint, "auto")
+    assert loaded.config.dtype == "float32" and q_kernel.dtype == kv_dtype == jnp.float32
     lines = [line for line in capsys.readouterr().err.splitlines() if "stored in" in line]
     assert lines == ["orca_jax: tiny is stored in bfloat16; running it in float32 on cpu, where bfloat16 is "
                      "slower (--dtype bfloat16 keeps it)"]
-    # Widened exactly: the weights are the stored bf16 values.
-    kernel = params_of(loaded.model)["layers.0.attn.q.kernel"]
+    # Widened exactly: the weights the runner holds are the stored bf16 values.
+    kernel = np.asarray(q_kernel)
     np.testing.assert_array_equal(kernel, kernel.astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert np.abs(kernel).max() > 0
 
 
 def test_explicit_bfloat16_keeps_the_checkpoint_dtype_silently(bf16_checkpoint, capsys):
-    loaded, param_dtype, kv_dtype = runner_for(bf16_checkpoint, "bfloat16")
-    assert loaded.config.dtype == "bfloat16" and param_dtype == kv_dtype == jnp.bfloat16
+    loaded, q_kernel, kv_dtype = runner_for(bf16_checkpoint, "bfloat16")
+    assert loaded.config.dtype == "bfloat16" and q_kernel.dtype == kv_dtype == jnp.bfloat16
     assert "stored in" not in capsys.readouterr().err
