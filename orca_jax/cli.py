@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from orca_jax.config import (ATTENTION_IMPL_CHOICES, DEFAULT_MODEL, DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES,
-                             SCHEDULING_POLICIES)
+                             QUANTIZATION_CHOICES, SCHEDULING_POLICIES)
 from orca_jax.parallel.multihost import DistributedConfig, run_process
 from orca_jax.parallel.plan_cli import add_plan_arguments, plan_command
 from orca_jax.sizes import byte_size
@@ -160,6 +160,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", choices=DTYPE_CHOICES,
                        help="weights, activations and KV pages (auto: the checkpoint's own dtype, but float32 on CPU, "
                             "where bfloat16 is slower; bfloat16 halves weights and KV pages)")
+    group.add_argument("--quantization", choices=QUANTIZATION_CHOICES,
+                       help="weights kept quantized (none: the dtype's): gguf serves the GGUF's own Q4_0/Q4_1/Q8_0 "
+                            "blocks, int8 quantizes float weights per output channel at load")
     group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES,
                        help="KV pages (auto: the model's dtype); bfloat16 halves what attention reads and doubles "
                             "the pages a --kv-cache-memory budget holds")
@@ -224,6 +227,7 @@ def engine_config(args: argparse.Namespace):
         model=args.model,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
+        quantization=args.quantization,
         attention_impl=args.attention_impl,
         cache=override(base.cache, page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
                        enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),

@@ -36,6 +36,9 @@ KVCacheDType = Literal["auto", "float32", "bfloat16"]
 SchedulingPolicy = Literal["static", "orca", "paged", "chunked"]  # each a class in engine/scheduler.py's POLICIES
 AttentionImpl = Literal["auto", "native", "pallas", "xla"]
 DTypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
+# Weights kept quantized on the device (model/quantization.py): "gguf" serves a GGUF's own Q4_0/Q4_1/Q8_0
+# blocks, "int8" quantizes float weights per output channel at load; "none" keeps the dtype's.
+Quantization = Literal["none", "gguf", "int8"]
 
 
 # The choice lists, defined once: the CLI's choices, the TOML loader's checks and their errors use them.
@@ -43,6 +46,7 @@ SCHEDULING_POLICIES: tuple[str, ...] = typing.get_args(SchedulingPolicy)
 ATTENTION_IMPL_CHOICES: tuple[str, ...] = typing.get_args(AttentionImpl)
 DTYPE_CHOICES: tuple[str, ...] = typing.get_args(DTypeSetting)
 KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = typing.get_args(KVCacheDType)
+QUANTIZATION_CHOICES: tuple[str, ...] = typing.get_args(Quantization)
 
 
 class ConfigError(ValueError):
@@ -304,6 +308,7 @@ class EngineConfig:
     max_model_len: int | None = None  # tokens per sequence (prompt + output); None: the model's context length
     dtype: DTypeSetting = "auto"  # weights, activations and KV pages; auto: the checkpoint's, float32 on CPU
     attention_impl: AttentionImpl = "auto"
+    quantization: Quantization = "none"  # weights kept quantized on the device (README, Quantization)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -312,6 +317,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check_literal(self, "attention_impl", ATTENTION_IMPL_CHOICES)
         _check_literal(self, "dtype", DTYPE_CHOICES)
+        _check_literal(self, "quantization", QUANTIZATION_CHOICES)
+        _require(self.quantization == "none" or self.parallel.tensor_parallel_size == 1,
+                 f"quantization={self.quantization!r} keeps whole quantized matrices on each device and does not "
+                 "split them: use tensor_parallel_size=1 (pipeline_parallel_size may be larger), or "
+                 "quantization='none' to split float weights over devices")
         if self.max_model_len is not None:
             _check_positive(self, "max_model_len")
         _require(

@@ -35,6 +35,7 @@ class LLM:
         attention_impl: str = "auto",
         max_model_len: int | None = None,
         dtype: str = "auto",
+        quantization: str = "none",
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         token_buckets: Sequence[int] | None = None,
@@ -56,7 +57,7 @@ class LLM:
                                max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
                                kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
                                kv_cache_dtype=kv_cache_dtype, attention_impl=attention_impl,
-                               max_model_len=max_model_len, dtype=dtype,
+                               max_model_len=max_model_len, dtype=dtype, quantization=quantization,
                                tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
             defaults = inspect.signature(LLM.__init__).parameters
             given = sorted(name for name, value in engine_args.items() if value != defaults[name].default)
@@ -67,6 +68,7 @@ class LLM:
             model=str(model),
             max_model_len=max_model_len,
             dtype=dtype,
+            quantization=quantization,
             attention_impl=attention_impl,
             cache=CacheConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),

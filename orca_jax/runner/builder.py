@@ -65,6 +65,8 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
     elif config.dtype not in ("auto", loaded.config.dtype):
         raise ConfigError(f"dtype={config.dtype!r} but the given model is loaded in {loaded.config.dtype}; "
                           "load it with load_model(..., dtype=...)")
+    if config.quantization != "none":
+        loaded = quantized(loaded, config.quantization, options.show_progress)
     model_config = loaded.config
     max_model_len = config.max_model_len or model_config.max_position
     if max_model_len > model_config.max_position:
@@ -83,6 +85,16 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
         print(f"orca_jax: {model_config.name}, policy {config.scheduler.policy}, {runner.describe()}\n"
               f"{plan.one_line()}", file=sys.stderr)
     return runner, loaded, max_model_len
+
+
+def quantized(loaded: LoadedModel, quantization: str, show_progress: bool) -> LoadedModel:
+    """The loaded model with its matrices quantized (a copy: a model the caller passed in stays float)."""
+    from orca_jax.model.quantization import quantize_decoder
+
+    model, report = quantize_decoder(loaded.model, quantization, loaded.path)
+    if show_progress:
+        print(f"orca_jax: --quantization {quantization}: {report.one_line()}", file=sys.stderr)
+    return dataclasses.replace(loaded, model=model)
 
 
 def run_dtype(setting: str, stored: str, platform: str) -> str:
