@@ -151,3 +151,34 @@ def smollm2_tp3_runner(smollm2):
     """SmolLM2 over 3 devices (its 9 query / 3 KV heads split 3 ways); shared by the engine and
     server tests of tensor parallelism."""
     return warm_smollm2_runner(smollm2, tp=3)
+
+
+def quantized_smollm2(smollm2, quantization):
+    import dataclasses
+
+    from orca_jax.model.quantization import quantize_decoder
+
+    model, _ = quantize_decoder(smollm2.model, quantization, smollm2.path)
+    return dataclasses.replace(smollm2, model=model)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2):
+    """SmolLM2 serving its GGUF's own blocks (Q4_1 projections, Q8_0 embedding and tied head)."""
+    return quantized_smollm2(smollm2, "gguf")
+
+
+@pytest.fixture(scope="session")
+def smollm2_int8(smollm2):
+    """SmolLM2's float32 weights quantized to int8 per output channel."""
+    return quantized_smollm2(smollm2, "int8")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_runner(smollm2_gguf):
+    return warm_smollm2_runner(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm2_int8_runner(smollm2_int8):
+    return warm_smollm2_runner(smollm2_int8)

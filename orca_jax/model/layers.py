@@ -47,7 +47,7 @@ class Dense(nnx.Module):
         # Set by model/quantization.py: `kernel` then holds quantized rows [out, ...], `scales` the
         # int8 format's per-row scales.
         self.quantized: Quantized | None = None
-        self.scales: nnx.Param | None = None
+        self.scales: nnx.Param | None = nnx.data(None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.quantized is not None:
@@ -94,7 +94,7 @@ class Embed(nnx.Module):
         self.dtype = dtype
         # As Dense's: `embedding` then holds quantized rows, one per token (the tied head's outputs).
         self.quantized: Quantized | None = None
-        self.scales: nnx.Param | None = None
+        self.scales: nnx.Param | None = nnx.data(None)
 
     def __call__(self, ids: Int[Array, " T"]) -> Float[Array, "T D"]:
         rows = jnp.take(self.embedding[...], ids, axis=0)

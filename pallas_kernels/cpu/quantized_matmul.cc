@@ -101,10 +101,6 @@ namespace avx512 {
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
-#ifndef ORCA_AVX2_ROWS
-#define ORCA_AVX2_ROWS 2
-#define ORCA_AVX2_TOKENS 2
-#endif
 namespace avx2 {
 #define ORCA_KERNEL_ISA 1
 #include "quantized_matmul_kernel.inc"
