@@ -19,7 +19,10 @@ L1, keeps an online softmax per row, and adds each V row to all rows at once. De
 reads each cached K/V byte once per step, which is what bounds it. Items run on XLA's intra-op
 thread pool.
 
-Build: `unavailable_reason(cache_dir)` has g++ compile the source once into the directory its
+The same library holds the quantized matmul kernel (cpu/quantized_matmul.cc; its wrapper and
+reference are in quantized_matmul.py), built, loaded and variant-selected with the attention kernel.
+
+Build: `unavailable_reason(cache_dir)` has g++ compile the sources once into the directory its
 caller chooses (orca_jax passes `native/` under its one cache directory; `make setup` runs
 `python -m orca_jax.native`), named by a hash of the source, flags, compiler and jax versions; a
 file lock and an atomic rename keep concurrent processes from building twice or loading half a

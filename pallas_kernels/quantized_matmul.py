@@ -39,9 +39,15 @@ GGUF_FORMATS = FORMATS[:3]
 BLOCK = 32
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 LANES = 16  # the native kernel's vector width, which fixes its summation order
+# Calls of more tokens than this go to XLA's dequantize-then-dot on CPU too: the native kernel reads
+# each weight once and wins while the weights' bytes bound a call (decode steps); past ~16 rows XLA's
+# float32 GEMM (fused multiply-adds on register tiles) computes faster than the kernel dequantizes
+# and multiplies, and the dequantized copy is spread over many rows (Intel Xeon, 2026-12-01: native
+# 1.2-1.7x faster at 8-16 rows, XLA 1.2-2.8x faster at 32-256; bench/bench_quantized_matmul.py).
+NATIVE_MAX_TOKENS = 16
 
 __all__ = ["BLOCK", "BLOCK_BYTES", "FORMATS", "GGUF_FORMATS", "check_weights", "dequantize",
-           "dequantize_reference", "quantize_int8", "quantized_matmul", "quantized_matmul_native",
+           "NATIVE_MAX_TOKENS", "dequantize_reference", "quantize_int8", "quantized_matmul", "quantized_matmul_native",
            "quantized_matmul_reference", "quantized_matmul_xla"]
 
 
@@ -156,15 +162,15 @@ def quantized_matmul_native(x: jax.Array, format: str, weights: jax.Array, scale
     return call(x.astype(jnp.float32), weights, scales, format=np.int32(FORMATS.index(format)))
 
 
-@functools.partial(jax.jit, static_argnames=("format", "cpu_native"))
+@functools.partial(jax.jit, static_argnames=("format", "cpu_native", "native_max_tokens"))
 def quantized_matmul(x: jax.Array, format: str, weights: jax.Array, scales: jax.Array | None = None, *,
-                     cpu_native: bool = True) -> jax.Array:
+                     cpu_native: bool = True, native_max_tokens: int = NATIVE_MAX_TOKENS) -> jax.Array:
     """x [T, in] (any float dtype) -> f32 [T, out]. On CPU the native kernel when `cpu_native` (the
-    caller checked the library loaded), on every other platform XLA's dequantize-then-dot: both
-    lowerings are in the program, so one jitted function serves CPU and GPU (and lowers for CUDA on
-    a CPU machine)."""
+    caller checked the library loaded) and T <= native_max_tokens, on every other platform and for
+    larger T XLA's dequantize-then-dot: both lowerings are in the program, so one jitted function
+    serves CPU and GPU (and lowers for CUDA on a CPU machine)."""
     check_weights(format, weights.shape, x.shape[-1], None if scales is None else scales.shape)
     xla = lambda: quantized_matmul_xla(x, format, weights, scales)  # noqa: E731
-    if not cpu_native:
+    if not cpu_native or x.shape[0] > native_max_tokens:
         return xla()
     return jax.lax.platform_dependent(cpu=lambda: quantized_matmul_native(x, format, weights, scales), default=xla)

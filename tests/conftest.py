@@ -92,7 +92,7 @@ def warm_tiny_runner(tiny_trained, attention_impl, tp=1, pp=1):
     return runner
 
 
-def warm_smollm2_runner(smollm2, tp=1, pp=1, kv_cache_dtype="auto", attention_impl="auto"):
+def warm_smollm2_runner(smollm2, tp=1, pp=1, kv_cache_dtype="auto", attention_impl="auto", token_buckets=(32, 128)):
     from orca_jax.config import ParallelConfig
     from orca_jax.runner.model_runner import ModelRunner
     from orca_jax.engine.step_plan import Buckets
@@ -100,7 +100,7 @@ def warm_smollm2_runner(smollm2, tp=1, pp=1, kv_cache_dtype="auto", attention_im
     # "auto": what users get (the native kernel on CPU when it builds), so the reference and
     # batch-invariance tests on the real model cover it, alone and per shard under tp.
     runner = ModelRunner(smollm2.model, num_pages=96, page_size=16, max_model_len=2048,
-                         buckets=Buckets(tokens=(32, 128), seqs=(8,)), attention_impl=attention_impl,
+                         buckets=Buckets(tokens=token_buckets, seqs=(8,)), attention_impl=attention_impl,
                          parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
                          kv_cache_dtype=kv_cache_dtype)
     runner.warm_up(show_progress=False)
@@ -176,9 +176,11 @@ def smollm2_int8(smollm2):
 
 @pytest.fixture(scope="session")
 def smollm2_gguf_runner(smollm2_gguf):
-    return warm_smollm2_runner(smollm2_gguf)
+    # A 16-token bucket: decode steps (<= 8 sequences) run the native kernel, prefills in the 128-token
+    # one XLA's dequantize-then-dot (quantized_matmul.NATIVE_MAX_TOKENS).
+    return warm_smollm2_runner(smollm2_gguf, token_buckets=(16, 128))
 
 
 @pytest.fixture(scope="session")
 def smollm2_int8_runner(smollm2_int8):
-    return warm_smollm2_runner(smollm2_int8)
+    return warm_smollm2_runner(smollm2_int8, token_buckets=(16, 128))

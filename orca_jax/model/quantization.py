@@ -17,9 +17,11 @@ EngineConfig refuses tensor_parallel_size > 1 with a quantization.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from pathlib import Path
+from typing import Callable
 
 import gguf
 import jax
@@ -30,7 +32,8 @@ from flax import nnx
 from orca_jax.checkpoint.gguf_import import GGUF_FILE, unpermute_llama_qk
 from orca_jax.config import ConfigError
 from orca_jax.model.layers import Dense, Embed, param
-from pallas_kernels.quantized_matmul import BLOCK, check_weights, dequantize, quantize_int8, quantized_matmul
+from pallas_kernels.quantized_matmul import (BLOCK, NATIVE_MAX_TOKENS, check_weights, dequantize, quantize_int8,
+                                             quantized_matmul)
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +48,11 @@ class Quantized:
 
     format: str  # one of pallas_kernels.quantized_matmul.FORMATS
     cpu_native: bool  # the native kernel is loaded: CPU programs call it
+    native_max_tokens: int = NATIVE_MAX_TOKENS  # calls of more rows use XLA's dequantize-then-dot
 
     def matmul(self, x: jax.Array, weights: jax.Array, scales: jax.Array | None) -> jax.Array:
-        return quantized_matmul(x, self.format, weights, scales, cpu_native=self.cpu_native)
+        return quantized_matmul(x, self.format, weights, scales, cpu_native=self.cpu_native,
+                                native_max_tokens=self.native_max_tokens)
 
     def dequantize(self, rows: jax.Array, scales: jax.Array | None) -> jax.Array:
         return dequantize(self.format, rows, scales)
@@ -67,17 +72,19 @@ class QuantizationReport:
         return f"quantized matrices: {kept} ({self.quantized_bytes / 2**20:.0f} MiB){rest}"
 
 
-def quantize_decoder(model: nnx.Module, quantization: str, checkpoint_dir: Path) -> tuple[nnx.Module, QuantizationReport]:
-    """A copy of `model` (a Decoder; the given one is left as it is) with its matrices quantized."""
+def quantize_decoder(model: nnx.Module, quantization: str, checkpoint_dir: Path,
+                     native_max_tokens: int = NATIVE_MAX_TOKENS) -> tuple[nnx.Module, QuantizationReport]:
+    """A copy of `model` (a Decoder; the given one is left as it is) with its matrices quantized.
+    `native_max_tokens`: the most rows a call sends to the native kernel on CPU (tests raise it)."""
     graphdef, state = nnx.split(model)
     model = nnx.merge(graphdef, state)  # new modules over the same arrays
-    cpu_native = _native_kernel_loaded()
+    kernel = functools.partial(Quantized, cpu_native=_native_kernel_loaded(), native_max_tokens=native_max_tokens)
     report = QuantizationReport({}, [], 0)
     if quantization == "gguf":
-        _serve_gguf_blocks(model, Path(checkpoint_dir) / GGUF_FILE, cpu_native, report)
+        _serve_gguf_blocks(model, Path(checkpoint_dir) / GGUF_FILE, kernel, report)
     elif quantization == "int8":
         for name, module in _matrices(model).items():
-            _quantize_int8(name, module, cpu_native, report)
+            _quantize_int8(name, module, kernel, report)
     else:
         raise ConfigError(f"quantize_decoder: unknown quantization {quantization!r}")
     return model, report
@@ -105,8 +112,8 @@ def _rows_shape(module: Dense | Embed) -> tuple[int, int]:
     return math.prod(shape[module.num_in_axes:]), math.prod(shape[:module.num_in_axes])
 
 
-def _install(module: Dense | Embed, rows: np.ndarray, scales: np.ndarray | None, fmt: str, cpu_native: bool,
-             report: QuantizationReport) -> None:
+def _install(module: Dense | Embed, rows: np.ndarray, scales: np.ndarray | None, fmt: str,
+             kernel: Callable[[str], Quantized], report: QuantizationReport) -> None:
     # Whole matrices on each device (tp = 1): no logical axes to split them by.
     weights = param(jnp.asarray(rows), (None, None))
     if isinstance(module, Embed):
@@ -114,12 +121,12 @@ def _install(module: Dense | Embed, rows: np.ndarray, scales: np.ndarray | None,
     else:
         module.kernel = weights
     module.scales = None if scales is None else param(jnp.asarray(scales), (None,))
-    module.quantized = Quantized(fmt, cpu_native)
+    module.quantized = kernel(fmt)
     report.kept[fmt] = report.kept.get(fmt, 0) + 1
     report.quantized_bytes += rows.nbytes + (0 if scales is None else scales.nbytes)
 
 
-def _quantize_int8(name: str, module: Dense | Embed, cpu_native: bool, report: QuantizationReport) -> None:
+def _quantize_int8(name: str, module: Dense | Embed, kernel: Callable[[str], Quantized], report: QuantizationReport) -> None:
     out, inner = _rows_shape(module)
     if inner % BLOCK:
         log.warning("%s: in=%d is not a multiple of %d, which the int8 kernel needs; kept in float", name, inner, BLOCK)
@@ -130,10 +137,10 @@ def _quantize_int8(name: str, module: Dense | Embed, cpu_native: bool, report: Q
     else:  # kernel [in..., out...] -> rows [out, in]
         w = np.asarray(module.kernel[...], np.float32).reshape(inner, out).T
     q, scales = quantize_int8(w)
-    _install(module, q, scales, "int8", cpu_native, report)
+    _install(module, q, scales, "int8", kernel, report)
 
 
-def _serve_gguf_blocks(model, path: Path, cpu_native: bool, report: QuantizationReport) -> None:
+def _serve_gguf_blocks(model, path: Path, kernel: Callable[[str], Quantized], report: QuantizationReport) -> None:
     if model.config.architecture != "llama":
         raise ConfigError(f"quantization='gguf' serves llama-architecture GGUFs (fused GPT-2 QKV blocks are not "
                           f"mapped); {model.config.name} is {model.config.architecture}: use quantization='int8'")
@@ -164,7 +171,7 @@ def _serve_gguf_blocks(model, path: Path, cpu_native: bool, report: Quantization
         part = name.split(".")[-2]
         if part in heads:  # llama.cpp's row order for interleaved RoPE, undone as the import does
             rows = unpermute_llama_qk(rows, heads[part])
-        _install(module, np.ascontiguousarray(rows), None, fmt, cpu_native, report)
+        _install(module, np.ascontiguousarray(rows), None, fmt, kernel, report)
 
 
 def _native_kernel_loaded() -> bool:
