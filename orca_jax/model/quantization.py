@@ -141,14 +141,16 @@ def _quantize_int8(name: str, module: Dense | Embed, kernel: Callable[[str], Qua
 
 
 def _serve_gguf_blocks(model, path: Path, kernel: Callable[[str], Quantized], report: QuantizationReport) -> None:
-    if model.config.architecture != "llama":
-        raise ConfigError(f"quantization='gguf' serves llama-architecture GGUFs (fused GPT-2 QKV blocks are not "
-                          f"mapped); {model.config.name} is {model.config.architecture}: use quantization='int8'")
     if not path.is_file():
         raise ConfigError(f"quantization='gguf' needs the GGUF file the checkpoint was imported from at {path}; "
                           f"checkpoints pulled or converted before it was kept lack it: run `orca-jax pull --force "
                           f"{model.config.name}` (or `orca-jax convert <file.gguf> --name {model.config.name}`)")
-    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
+    if arch != "llama":
+        raise ConfigError(f"quantization='gguf' serves llama-architecture GGUFs (their tensors map one to one onto "
+                          f"the decoder's matrices); {path} is {arch!r}: use quantization='int8'")
+    tensors = {t.name: t for t in reader.tensors}
     heads = {"attn_q": model.config.n_heads, "attn_k": model.config.n_kv_heads}
     for name, module in _matrices(model).items():
         tensor = tensors.get(name)
