@@ -40,10 +40,11 @@ BLOCK = 32
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 LANES = 16  # the native kernel's vector width, which fixes its summation order
 # Calls of more tokens than this go to XLA's dequantize-then-dot on CPU too: the native kernel reads
-# each weight once and wins while the weights' bytes bound a call (decode steps); past ~16 rows XLA's
-# float32 GEMM (fused multiply-adds on register tiles) computes faster than the kernel dequantizes
-# and multiplies, and the dequantized copy is spread over many rows (Intel Xeon, 2026-12-01: native
-# 1.2-1.7x faster at 8-16 rows, XLA 1.2-2.8x faster at 32-256; bench/bench_quantized_matmul.py).
+# each weight once and wins while the weights' bytes bound a call (decode steps); with many rows XLA's
+# float32 GEMM (fused multiply-adds on register tiles) computes faster than the kernel dequantizes and
+# multiplies, and the dequantized copy is spread over the rows. Measured twice on shared cores (Intel
+# Xeon, 2026-12-01, bench/bench_quantized_matmul.py): native ahead up to 16 rows in both runs, the
+# crossover between 32 and 128 rows; 16 keeps every decode bucket on the native kernel.
 NATIVE_MAX_TOKENS = 16
 
 __all__ = ["BLOCK", "BLOCK_BYTES", "FORMATS", "GGUF_FORMATS", "check_weights", "dequantize",
