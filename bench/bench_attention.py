@@ -11,6 +11,9 @@ On GPU the kernel is compiled with Triton; elsewhere it runs in interpret mode (
 not a fast one). For decode batches each row also gives the effective bandwidth of the cached-context
 read (K and V bytes of every decode token's context / time), printed beside the machine's copy
 bandwidth measured here with numpy, so a reader sees how close to memory speed the read runs.
+On CPU the native kernel runs once per instruction-set variant the CPU has (`native avx512`,
+`native avx2`, `native base`), so the AVX2 code an AVX2-only CPU runs is timed beside AVX-512's in one
+run; `--batches` and `--impls` narrow the table (e.g. `--batches "decode 64x256" --impls native`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 
 from orca_jax.model.paged_attention import native_cache_dir, ragged_paged_attention_xla
 from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
+from pallas_kernels import native
 from pallas_kernels.native import ragged_paged_attention_native, unavailable_reason
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -90,6 +94,11 @@ def timed(fn, args, repeat: int) -> float:
     return (time.perf_counter() - start) / repeat
 
 
+def cpu_model() -> str:
+    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
+
+
 def main() -> None:
     backend = jax.default_backend()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -97,6 +106,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS / f"attention_{backend}_new.json",
                         help="results JSON (default: a new file, not the committed attention_<backend>.json)")
+    parser.add_argument("--batches", nargs="+", choices=sorted(BATCHES), default=list(BATCHES))
+    parser.add_argument("--impls", nargs="+", default=None, help="implementations by name prefix (default: all)")
     args = parser.parse_args()
     shape = args.shape or ("13b" if backend == "gpu" else "smollm2")
     num_heads, num_kv_heads, head_dim, dtype = SHAPES[shape]
@@ -107,17 +118,23 @@ def main() -> None:
     if backend == "cpu":
         reason = unavailable_reason(native_cache_dir())
         if reason is None:
-            impls["native"] = lambda *a: ragged_paged_attention_native(*a, sm_scale=scale)
+            for isa in native.supported_isas():
+                def run(*a, isa=isa):
+                    native.select_isa(isa)  # read by the kernel at each call: no recompilation
+                    return ragged_paged_attention_native(*a, sm_scale=scale)
+                impls[f"native {isa}"] = run
         else:
             print(f"native: not available ({reason})")
     impls["pallas" if on_gpu else "pallas-interpret"] = \
         lambda *a: ragged_paged_attention(*a, sm_scale=scale, interpret=not on_gpu)
+    if args.impls:
+        impls = {name: fn for name, fn in impls.items() if name.startswith(tuple(args.impls))}
     reference = jax.jit(lambda *a: ragged_paged_attention_reference(*a, sm_scale=scale))
     tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-4
     copy_gbps = copy_bandwidth() / 1e9
-    print(f"memory: a numpy copy moves {copy_gbps:.1f} GB/s (reads + writes, one thread)")
+    print(f"{cpu_model()}; memory: a numpy copy moves {copy_gbps:.1f} GB/s (reads + writes, one thread)")
     rows = []
-    for kind in BATCHES:
+    for kind in args.batches:
         inputs = batch(kind, num_heads, num_kv_heads, head_dim, dtype)
         want = np.asarray(reference(*inputs), np.float32)
         context = context_bytes(inputs) if kind.startswith("decode") else 0
@@ -136,7 +153,7 @@ def main() -> None:
                   f"{'ok' if row['correct'] else 'WRONG'}{read}", flush=True)
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"backend": backend, "jax": jax.__version__, "shape": shape,
+    out.write_text(json.dumps({"backend": backend, "cpu": cpu_model(), "jax": jax.__version__, "shape": shape,
                                "dtype": str(jnp.dtype(dtype)), "copy_gb_per_s": copy_gbps, "rows": rows},
                               indent=2) + "\n")
     print(f"saved {out}")

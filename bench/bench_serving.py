@@ -166,7 +166,8 @@ async def first_model(url: str) -> str:
 def start_server(policy: str, port: int, args: argparse.Namespace) -> subprocess.Popen:
     command = [sys.executable, "-m", "orca_jax.cli", "serve", "--model", args.model, "--policy", policy,
                "--port", str(port), "--served-model-name", "bench", "--max-num-seqs", str(args.max_num_seqs),
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-queued-requests", "100000"]
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-queued-requests", "100000",
+               "--quantization", args.quantization]
     with open(RESULTS / f"serving_{policy}.log", "w") as log:  # the child keeps its own copy of the handle
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--latency-target", type=float, default=0.5, help="p99 seconds per output token")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--quantization", default="none", help="of the started servers' weights: none, gguf or int8")
     parser.add_argument("--send-text", action="store_true", help="send prompts as text, not token ids")
     parser.add_argument("--out", type=Path, default=RESULTS / "serving_new.json",
                         help="results JSON, the plot beside it (default: a new file, not the committed serving.json)")

@@ -1,17 +1,21 @@
 """One user chatting: decode speed of a single request (greedy, a ~80-token prompt, 128 new tokens),
-against the machine's memory-speed limit for the weights (every decode token reads all of them).
+against the machine's memory-speed limit for the weights (every decode token reads all of them),
+for each weight quantization asked (float32, the GGUF's own Q4_1 blocks, int8).
 
-    python bench/bench_single_stream.py [--max-num-seqs 32] [--runs 3]
+    python bench/bench_single_stream.py [--quantization none gguf int8] [--max-num-seqs 32] [--runs 3]
 
-Prints one line per run and a summary; saves bench/results/single_stream_new.json (or --out): decode
-tok/s (first token to last), ms per token, the buckets the steps ran in, the weights' bytes, numpy's
-copy bandwidth in the same run and the tok/s that bandwidth allows (copy bytes/s / weight bytes).
+Prints one line per run and a summary per quantization; saves bench/results/single_stream_new.json
+(or --out): decode tok/s (first token to last), ms per token, the buckets the steps ran in, the bytes
+of the weights as held on the device (what a decode step reads), numpy's copy bandwidth in the same
+run, the tok/s that bandwidth allows (copy bytes/s / weight bytes), the CPU and the native kernels'
+instruction-set variant ($ORCA_JAX_NATIVE_ISA forces a lower one).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import platform
 import time
@@ -21,6 +25,7 @@ import jax
 import numpy as np
 
 from orca_jax import LLM, SamplingParams
+from orca_jax.config import QUANTIZATION_CHOICES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle. " * 5
@@ -43,36 +48,54 @@ def cpu_model() -> str:
     return platform.processor()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=RESULTS / "single_stream_new.json")
-    args = parser.parse_args()
+def native_isa() -> str:
+    from orca_jax.model.paged_attention import native_cache_dir
+    from pallas_kernels import native
 
-    llm = LLM(max_num_seqs=args.max_num_seqs, show_progress=False)
+    reason = native.unavailable_reason(native_cache_dir())
+    return native.isa() if reason is None else f"unavailable ({reason})"
+
+
+def measure(quantization: str, max_num_seqs: int, num_runs: int, bandwidth: float) -> dict:
+    llm = LLM(max_num_seqs=max_num_seqs, quantization=quantization, show_progress=False)
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm
     runs = []
-    for _ in range(args.runs):
+    for _ in range(num_runs):
         llm.runner.stats.buckets = collections.Counter()
         out = llm.generate([PROMPT], params, use_tqdm=False)[0]
         metrics = out.metrics
         per_token = (metrics.finished_time - metrics.first_token_time) / (len(out.outputs[0].token_ids) - 1)
         runs.append({"decode_tok_s": 1 / per_token, "ms_per_token": 1000 * per_token,
                      "buckets": {f"{t}x{s}": n for (t, s), n in llm.runner.stats.buckets.items()}})
-        print(f"decode {1 / per_token:.1f} tok/s ({1000 * per_token:.1f} ms/token), steps per (tokens x seqs) "
+        print(f"{quantization}: decode {1 / per_token:.1f} tok/s ({1000 * per_token:.1f} ms/token), steps per (tokens x seqs) "
               f"bucket: {runs[-1]['buckets']}", flush=True)
     weight_bytes = sum(x.nbytes for stage in llm.runner.stages for x in jax.tree.leaves(stage.params))
-    bandwidth = copy_bandwidth()
     limit = bandwidth / weight_bytes
     best = max(r["decode_tok_s"] for r in runs)
-    print(f"{cpu_model()}: best {best:.1f} tok/s; weights {weight_bytes / 1e6:.0f} MB, numpy copies "
-          f"{bandwidth / 1e9:.1f} GB/s -> memory-speed limit {limit:.1f} tok/s; {best / limit:.0%} of it")
+    print(f"{quantization}: best {best:.1f} tok/s; weights {weight_bytes / 1e6:.0f} MB -> memory-speed limit "
+          f"{limit:.1f} tok/s; {best / limit:.0%} of it", flush=True)
+    return {"runs": runs, "weight_bytes": weight_bytes, "limit_tok_s": limit, "best_tok_s": best,
+            "fraction_of_limit": best / limit}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quantization", nargs="+", choices=QUANTIZATION_CHOICES, default=list(QUANTIZATION_CHOICES))
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS / "single_stream_new.json")
+    args = parser.parse_args()
+
+    bandwidth = copy_bandwidth()
+    print(f"{cpu_model()}, native kernels: {native_isa()} variant; numpy copies {bandwidth / 1e9:.1f} GB/s", flush=True)
+    modes = {}
+    for quantization in args.quantization:
+        modes[quantization] = measure(quantization, args.max_num_seqs, args.runs, bandwidth)
+        gc.collect()  # the previous engine's weights and KV pages go before the next one's
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"cpu": cpu_model(), "max_num_seqs": args.max_num_seqs, "runs": runs,
-                                    "weight_bytes": weight_bytes, "copy_bytes_per_s": bandwidth,
-                                    "limit_tok_s": limit, "best_tok_s": best}, indent=1))
+    args.out.write_text(json.dumps({"cpu": cpu_model(), "native_isa": native_isa(), "max_num_seqs": args.max_num_seqs,
+                                    "copy_bytes_per_s": bandwidth, "quantization": modes}, indent=1))
     print(f"saved {args.out}")
 
 

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from orca_jax.config import (ATTENTION_IMPL_CHOICES, DEFAULT_MODEL, DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES,
-                             LOAD_FORMAT_CHOICES, MATMUL_PRECISION_CHOICES, SCHEDULING_POLICIES)
+                             LOAD_FORMAT_CHOICES, MATMUL_PRECISION_CHOICES, QUANTIZATION_CHOICES,
+                             SCHEDULING_POLICIES)
 from orca_jax.parallel.multihost import DistributedConfig, run_process
 from orca_jax.parallel.plan_cli import add_plan_arguments, plan_command
 from orca_jax.sizes import byte_size
@@ -171,6 +172,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--matmul-precision", choices=MATMUL_PRECISION_CHOICES,
                        help="precision of the model's matmuls (auto: highest for float32 models, i.e. no TF32 on "
                             "GPUs; default for 16-bit ones, 16-bit products summed in float32)")
+    group.add_argument("--quantization", choices=QUANTIZATION_CHOICES,
+                       help="weights kept quantized (none: the dtype's): gguf serves the GGUF's own Q4_0/Q4_1/Q8_0 "
+                            "blocks, int8 quantizes float weights per output channel at load")
     group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES,
                        help="KV pages (auto: the model's dtype); bfloat16 halves what attention reads and doubles "
                             "the pages a --kv-cache-memory budget holds")
@@ -254,6 +258,7 @@ def engine_config(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         matmul_precision=args.matmul_precision,
+        quantization=args.quantization,
         attention_impl=args.attention_impl,
         load_format=args.load_format,
         dummy_seed=args.dummy_seed,

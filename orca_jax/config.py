@@ -40,6 +40,9 @@ DTypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
 MatmulPrecision = Literal["auto", "highest", "high", "default"]
 SpeculativeMethod = Literal["ngram", "draft_model"]
 LoadFormat = Literal["auto", "dummy"]  # auto: the checkpoint's weights; dummy: seeded random ones (vLLM's names)
+# Weights kept quantized on the device (model/quantization.py): "gguf" serves a GGUF's own Q4_0/Q4_1/Q8_0
+# blocks, "int8" quantizes float weights per output channel at load; "none" keeps the dtype's.
+Quantization = Literal["none", "gguf", "int8"]
 
 
 # The choice lists, defined once: the CLI's choices, the TOML loader's checks and their errors use them.
@@ -50,6 +53,7 @@ KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = typing.get_args(KVCacheDType)
 MATMUL_PRECISION_CHOICES: tuple[str, ...] = typing.get_args(MatmulPrecision)
 SPECULATIVE_METHODS: tuple[str, ...] = typing.get_args(SpeculativeMethod)
 LOAD_FORMAT_CHOICES: tuple[str, ...] = typing.get_args(LoadFormat)
+QUANTIZATION_CHOICES: tuple[str, ...] = typing.get_args(Quantization)
 
 
 def matmul_precision_for(setting: str, model_dtype: str) -> str:
@@ -373,6 +377,7 @@ class EngineConfig:
     dtype: DTypeSetting = "auto"  # weights, activations and KV pages; auto: the checkpoint's, float32 on CPU
     attention_impl: AttentionImpl = "auto"
     matmul_precision: MatmulPrecision = "auto"  # see matmul_precision_for
+    quantization: Quantization = "none"  # weights kept quantized on the device (README, Quantization)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -392,6 +397,11 @@ class EngineConfig:
         _check_literal(self, "attention_impl", ATTENTION_IMPL_CHOICES)
         _check_literal(self, "dtype", DTYPE_CHOICES)
         _check_literal(self, "matmul_precision", MATMUL_PRECISION_CHOICES)
+        _check_literal(self, "quantization", QUANTIZATION_CHOICES)
+        _require(self.quantization == "none" or self.parallel.tensor_parallel_size == 1,
+                 f"quantization={self.quantization!r} keeps whole quantized matrices on each device and does not "
+                 "split them: use tensor_parallel_size=1 (pipeline_parallel_size may be larger), or "
+                 "quantization='none' to split float weights over devices")
         if self.max_model_len is not None:
             _check_positive(self, "max_model_len")
         _require(

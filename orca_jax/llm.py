@@ -38,6 +38,7 @@ class LLM:
         max_model_len: int | None = None,
         dtype: str = "auto",
         matmul_precision: str = "auto",
+        quantization: str = "none",
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         speculative_config: dict | SpeculativeConfig | None = None,
@@ -70,6 +71,7 @@ class LLM:
                                enable_prefix_caching=enable_prefix_caching,
                                kv_cache_dtype=kv_cache_dtype, attention_impl=attention_impl,
                                max_model_len=max_model_len, dtype=dtype, matmul_precision=matmul_precision,
+                               quantization=quantization,
                                tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                                speculative_config=speculative_config, load_format=load_format, dummy_seed=dummy_seed,
                                tokenizer=tokenizer)
@@ -83,6 +85,7 @@ class LLM:
             max_model_len=max_model_len,
             dtype=dtype,
             matmul_precision=matmul_precision,
+            quantization=quantization,
             attention_impl=attention_impl,
             load_format=load_format,
             dummy_seed=dummy_seed,

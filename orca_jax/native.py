@@ -1,4 +1,4 @@
-"""`python -m orca_jax.native [--require]`: builds the native CPU attention kernel now, into `native/`
+"""`python -m orca_jax.native [--require]`: builds the native CPU kernels (attention, quantized matmul) now, into `native/`
 under the one cache directory ($ORCA_JAX_COMPILATION_CACHE), rather than on first use (`make setup`,
 the container images, the start-up bench). Says whether it is available and which instruction-set
 variant runs. Without --require it never fails (an install goes on; `auto` attention then falls
@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
     if reason is not None:
         print(f"native attention: not available: {reason}")
         return 1 if "--require" in argv else 0
-    print(f"native attention: built, {native.build(directory)} ({native.isa()} variant)")
+    print(f"native kernels (attention, quantized matmul): built, {native.build(directory)} ({native.isa()} variant)")
     return 0
 
 

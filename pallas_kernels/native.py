@@ -19,7 +19,10 @@ L1, keeps an online softmax per row, and adds each V row to all rows at once. De
 reads each cached K/V byte once per step, which is what bounds it. Items run on XLA's intra-op
 thread pool.
 
-Build: `unavailable_reason(cache_dir)` has g++ compile the source once into the directory its
+The same library holds the quantized matmul kernel (cpu/quantized_matmul.cc; its wrapper and
+reference are in quantized_matmul.py), built, loaded and variant-selected with the attention kernel.
+
+Build: `unavailable_reason(cache_dir)` has g++ compile the sources once into the directory its
 caller chooses (orca_jax passes `native/` under its one cache directory; `make setup` runs
 `python -m orca_jax.native`), named by a hash of the source, flags, compiler and jax versions; a
 file lock and an atomic rename keep concurrent processes from building twice or loading half a
@@ -49,10 +52,15 @@ import numpy as np
 
 from pallas_kernels.ragged_paged_attention import check_inputs, check_options, ragged_paged_attention_reference
 
-SOURCE = Path(__file__).resolve().parent / "cpu" / "ragged_paged_attention.cc"
+SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
+SOURCE = SOURCE_DIR / "ragged_paged_attention.cc"
+# One library holds every native kernel (they share the variant selection below).
+SOURCES = (SOURCE, SOURCE_DIR / "quantized_matmul.cc")
+HEADERS = (SOURCE_DIR / "parallel_for.h", SOURCE_DIR / "quantized_matmul_kernel.inc")
 TARGET = "orca_ragged_paged_attention"
 SYMBOL = "OrcaRaggedPagedAttention"
 WRITE_TARGET, WRITE_SYMBOL = "orca_write_kv", "OrcaWriteKV"
+MATMUL_TARGET, MATMUL_SYMBOL = "orca_quantized_matmul", "OrcaQuantizedMatmul"
 # -fopenmp-simd: honour the source's `omp simd` reductions (vectorised without -ffast-math), no
 # OpenMP runtime. The instruction sets are chosen per function inside the source.
 CXX_FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp-simd", "-fvisibility=hidden")
@@ -84,7 +92,7 @@ def _compiler() -> tuple[str, str]:
 
 def library_path(compiler_version: str, cache_dir: Path) -> Path:
     """Where in `cache_dir` the library for this source, these flags, this compiler and this jax lives."""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *CXX_FLAGS, compiler_version, jax.__version__,
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in SOURCES + HEADERS), *CXX_FLAGS, compiler_version, jax.__version__,
                                     jaxlib.__version__]).encode()).hexdigest()[:16]
     return Path(cache_dir) / f"ragged_paged_attention-{key}.so"
 
@@ -103,11 +111,11 @@ def build(cache_dir: Path) -> Path:
         fd, scratch = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
         try:
-            command = [compiler, *CXX_FLAGS, "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", scratch]
+            command = [compiler, *CXX_FLAGS, "-isystem", jax.ffi.include_dir(), *map(str, SOURCES), "-o", scratch]
             result = subprocess.run(command, capture_output=True, text=True, timeout=600)
             if result.returncode:
                 tail = " | ".join(result.stderr.strip().splitlines()[-5:])
-                raise NativeUnavailable(f"building {SOURCE.name} with {version} failed: {tail}; {INSTALL_HINT}")
+                raise NativeUnavailable(f"building {', '.join(f.name for f in SOURCES)} with {version} failed: {tail}; {INSTALL_HINT}")
             os.replace(scratch, path)
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -137,6 +145,7 @@ def _registered(path: Path) -> ctypes.CDLL:
     library = ctypes.cdll.LoadLibrary(str(path))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(getattr(library, WRITE_SYMBOL)), platform="cpu")
+    jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(getattr(library, MATMUL_SYMBOL)), platform="cpu")
     forced = os.environ.get(ISA_ENV)
     if forced:
         _select(library, forced, f"${ISA_ENV}={forced!r}")

@@ -149,14 +149,15 @@ def warm_tiny_runner(tiny_trained, attention_impl, tp=1, pp=1, proposer=None):
     return runner
 
 
-def warm_smollm2_runner(smollm2, tp=1, pp=1, kv_cache_dtype="auto", attention_impl="auto", proposer=None):
+def warm_smollm2_runner(smollm2, tp=1, pp=1, kv_cache_dtype="auto", attention_impl="auto", proposer=None,
+                        token_buckets=(32, 128)):
     from orca_jax.config import ParallelConfig
     from orca_jax.runner.model_runner import ModelRunner
     from orca_jax.engine.step_plan import Buckets
 
     # "auto": what users get (the native kernel on CPU when it builds), so the reference and
     # batch-invariance tests on the real model cover it, alone and per shard under tp.
-    buckets = Buckets(tokens=(32, 128), seqs=(8,))
+    buckets = Buckets(tokens=token_buckets, seqs=(8,))
     runner = ModelRunner(smollm2.model, num_pages=96, page_size=16, max_model_len=2048,
                          buckets=spec_buckets(buckets, proposer),
                          attention_impl=attention_impl,
@@ -235,3 +236,36 @@ def smollm2_tp3_runner(smollm2):
     """SmolLM2 over 3 devices (its 9 query / 3 KV heads split 3 ways); shared by the engine and
     server tests of tensor parallelism."""
     return warm_smollm2_runner(smollm2, tp=3)
+
+
+def quantized_smollm2(smollm2, quantization):
+    import dataclasses
+
+    from orca_jax.model.quantization import quantize_decoder
+
+    model, _ = quantize_decoder(smollm2.model, quantization, smollm2.path)
+    return dataclasses.replace(smollm2, model=model)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2):
+    """SmolLM2 serving its GGUF's own blocks (Q4_1 projections, Q8_0 embedding and tied head)."""
+    return quantized_smollm2(smollm2, "gguf")
+
+
+@pytest.fixture(scope="session")
+def smollm2_int8(smollm2):
+    """SmolLM2's float32 weights quantized to int8 per output channel."""
+    return quantized_smollm2(smollm2, "int8")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_runner(smollm2_gguf):
+    # A 16-token bucket: decode steps (<= 8 sequences) run the native kernel, prefills in the 128-token
+    # one XLA's dequantize-then-dot (quantized_matmul.NATIVE_MAX_TOKENS).
+    return warm_smollm2_runner(smollm2_gguf, token_buckets=(16, 128))
+
+
+@pytest.fixture(scope="session")
+def smollm2_int8_runner(smollm2_int8):
+    return warm_smollm2_runner(smollm2_int8, token_buckets=(16, 128))

@@ -50,6 +50,11 @@ def convert(source: str | Path, name: str, out_dir: str | Path | None = None) ->
     staging = dest.with_name(dest.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     save_checkpoint(staging, config, params, tokenizer)
+    if source.is_file():
+        from orca_jax.checkpoint.gguf_import import GGUF_FILE
+
+        # The file's own blocks, for `--quantization gguf` (the params above are dequantized).
+        shutil.copyfile(source, staging / GGUF_FILE)
     shutil.rmtree(dest, ignore_errors=True)
     staging.rename(dest)
     return dest

@@ -29,6 +29,9 @@ SUPPORTED_ARCHITECTURES = ("llama", "gpt2", "qwen2", "qwen3", "phi3", "gemma2", 
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp tells the 27B models by their depth
 ROPE_FREQS = "rope_freqs.weight"
+# A checkpoint imported from a GGUF keeps the file under this name: `--quantization gguf` serves its
+# quantized blocks as they are (model/quantization.py).
+GGUF_FILE = "model.gguf"
 # Weight types kept as they are; every other type is dequantized to float32.
 KEPT_TYPES = {gguf.GGMLQuantizationType.F16: "float16", gguf.GGMLQuantizationType.BF16: "bfloat16"}
 # llama.cpp pre-tokenizer names that are byte-level BPE with digits split one by one first.

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
+
+if TYPE_CHECKING:
+    from orca_jax.model.quantization import Quantized
 
 
 def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
@@ -39,9 +43,19 @@ class Dense(nnx.Module):
         self.kernel = param(kernel, in_axes + out_axes)
         self.bias = param(jnp.zeros(out_shape, dtype), out_axes) if use_bias else None
         self.num_in_axes = len(in_shape)
+        self.out_shape = out_shape
+        # Set by model/quantization.py: `kernel` then holds quantized rows [out, ...], `scales` the
+        # int8 format's per-row scales.
+        self.quantized: Quantized | None = None
+        self.scales: nnx.Param | None = nnx.data(None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.tensordot(x, self.kernel[...], axes=self.num_in_axes)
+        if self.quantized is not None:
+            rows = x.reshape(-1, math.prod(x.shape[x.ndim - self.num_in_axes:]))
+            y = self.quantized.matmul(rows, self.kernel[...], None if self.scales is None else self.scales[...]).astype(x.dtype)
+            y = y.reshape(x.shape[:x.ndim - self.num_in_axes] + self.out_shape)
+        else:
+            y = jnp.tensordot(x, self.kernel[...], axes=self.num_in_axes)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -77,11 +91,22 @@ class Embed(nnx.Module):
 
     def __init__(self, num: int, dim: int, axes: tuple[str, str], dtype: jnp.dtype, rngs: nnx.Rngs):
         self.embedding = param(jax.random.normal(rngs.params(), (num, dim), dtype) * 0.02, axes)
+        self.dtype = dtype
+        # As Dense's: `embedding` then holds quantized rows, one per token (the tied head's outputs).
+        self.quantized: Quantized | None = None
+        self.scales: nnx.Param | None = nnx.data(None)
 
     def __call__(self, ids: Int[Array, " T"]) -> Float[Array, "T D"]:
-        return jnp.take(self.embedding[...], ids, axis=0)
+        rows = jnp.take(self.embedding[...], ids, axis=0)
+        if self.quantized is None:
+            return rows
+        scales = None if self.scales is None else jnp.take(self.scales[...], ids, axis=0)
+        return self.quantized.dequantize(rows, scales).astype(self.dtype)
 
     def attend(self, x: Float[Array, "T D"]) -> Float[Array, "T V"]:
+        if self.quantized is not None:
+            scales = None if self.scales is None else self.scales[...]
+            return self.quantized.matmul(x, self.embedding[...], scales).astype(x.dtype)
         return jnp.einsum("td,vd->tv", x, self.embedding[...])
 
 

@@ -15,7 +15,7 @@ import jax
 
 from orca_jax.checkpoint.convert import ensure_pulled
 from orca_jax.checkpoint.dummy import DummyWeights
-from orca_jax.checkpoint.store import (CheckpointWeights, LoadedModel, open_model, read_model_config,
+from orca_jax.checkpoint.store import (CheckpointWeights, LoadedModel, load_model, open_model, read_model_config,
                                        resolve_checkpoint_dir)
 from orca_jax.config import DEFAULT_CPU_KV_CACHE_MEMORY, ConfigError, EngineConfig, ModelConfig
 from orca_jax.engine.engine import LLMEngine
@@ -64,6 +64,16 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
     elif config.dtype not in ("auto", loaded.config.dtype):
         raise ConfigError(f"dtype={config.dtype!r} but the given model is loaded in {loaded.config.dtype}; "
                           "load it with load_model(..., dtype=...)")
+    if config.quantization != "none":
+        if config.load_format == "dummy":
+            raise ConfigError(f"quantization={config.quantization!r} quantizes a checkpoint's weights; with "
+                              "load_format='dummy' use quantization='none'")
+        if weights is not None:
+            # Quantizing reads the float arrays on the host (tensor_parallel_size is 1 then): the whole
+            # model, not the per-stage restore, which has no quantized form yet.
+            loaded = dataclasses.replace(load_model(loaded.path, dtype=loaded.config.dtype), tokenizer=loaded.tokenizer)
+            weights = None
+        loaded = quantized(loaded, config.quantization, options.show_progress)
     model_config = loaded.config
     max_model_len = config.max_model_len or model_config.max_position
     if max_model_len > model_config.max_position:
@@ -154,6 +164,16 @@ def _device_memory(devices: list | None) -> int | None:
         return None
     limits = [(d.memory_stats() or {}).get("bytes_limit") for d in local]
     return min(limits) if all(limits) else None
+
+
+def quantized(loaded: LoadedModel, quantization: str, show_progress: bool) -> LoadedModel:
+    """The loaded model with its matrices quantized (a copy: a model the caller passed in stays float)."""
+    from orca_jax.model.quantization import quantize_decoder
+
+    model, report = quantize_decoder(loaded.model, quantization, loaded.path)
+    if show_progress:
+        print(f"orca_jax: --quantization {quantization}: {report.one_line()}", file=sys.stderr)
+    return dataclasses.replace(loaded, model=model)
 
 
 def run_dtype(setting: str, stored: str, platform: str) -> str:

@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -469,28 +470,6 @@ ItemFn pick_head_dim(int64_t head_dim) {
   return pick_isa<KVT, 0>();
 }
 
-// Runs `count` items over the pool's threads and the calling thread. Items are claimed one at a
-// time from a shared counter, so a pool task that starts late finds no work and returns; the
-// caller waits only for items actually claimed. The state outlives the call (tasks may still hold
-// it), hence the shared_ptr.
-template <typename F>
-void parallel_for(ffi::ThreadPool& pool, int64_t count, F&& body) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto state = std::make_shared<State>();
-  auto work = [state, count, &body] {
-    int64_t finished = 0;
-    for (int64_t i; (i = state->next.fetch_add(1, std::memory_order_relaxed)) < count; ++finished) body(i);
-    if (finished && state->done.fetch_add(finished, std::memory_order_acq_rel) + finished == count)
-      state->done.notify_all();
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(work)(work));
-  work();
-  for (int64_t done; (done = state->done.load(std::memory_order_acquire)) < count;) state->done.wait(done);
-}
-
 ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
                                 ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> segment_ids,
                                 ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> block_tables,
@@ -573,7 +552,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   }
 
   ItemFn item = kv_f32 ? pick_head_dim<float>(p.head_dim) : pick_head_dim<uint16_t>(p.head_dim);
-  parallel_for(pool, static_cast<int64_t>(p.items.size()), [&](int64_t i) { item(p, p.items[i]); });
+  orca_native::parallel_for(pool, static_cast<int64_t>(p.items.size()), [&](int64_t i) { item(p, p.items[i]); });
   return ffi::Error::Success();
 }
 

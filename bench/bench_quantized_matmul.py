@@ -1,0 +1,106 @@
+"""The quantized matmul (pallas_kernels/quantized_matmul.py) on SmolLM2's layer shapes: the native
+kernel per instruction-set variant the CPU has, against XLA's dequantize-then-dot, per token count.
+
+    python bench/bench_quantized_matmul.py [--format q4_1] [--layers 6] [--tokens 1 2 4 8 16 32 64 128]
+
+For each T: ms for the matrices of `--layers` layers (q, k, v, o, gate, up, down; random weights in
+the format), the weight bytes read per ms as GB/s, and XLA's time over the native kernel's. Prints the
+CPU, numpy's copy bandwidth in the same run and a table; saves bench/results/quantized_matmul_new.json
+(or --out). Where the two cross is what NATIVE_MAX_TOKENS encodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_single_stream import copy_bandwidth, cpu_model  # noqa: E402
+
+from orca_jax.model.paged_attention import native_cache_dir  # noqa: E402
+from pallas_kernels import native  # noqa: E402
+from pallas_kernels import quantized_matmul as qm  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # (out, in)
+GGUF_TYPES = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
+              "q8_0": gguf.GGMLQuantizationType.Q8_0}
+
+
+def weights(format: str, layers: int, rng) -> list[tuple[jax.Array, jax.Array | None]]:
+    out = []
+    for shape in LAYER * layers:
+        w = rng.standard_normal(shape).astype(np.float32)
+        data, scales = qm.quantize_int8(w) if format == "int8" else (gguf.quants.quantize(w, GGUF_TYPES[format]), None)
+        out.append((jnp.asarray(data), None if scales is None else jnp.asarray(scales)))
+    return out
+
+
+def program(matmul, format: str):
+    """One jitted call of every matrix, each fed the previous output (so none is skipped)."""
+    def run(x, mats):
+        total = jnp.zeros((), jnp.float32)
+        for (out, inner), (data, scales) in zip(LAYER * (len(mats) // len(LAYER)), mats):
+            y = matmul(x[:, :inner] if x.shape[1] >= inner else jnp.tile(x, (1, 3))[:, :inner], format, data, scales)
+            total = total + y[:, 0].sum()
+        return total
+    return jax.jit(run)
+
+
+def best_of(fn, args, repeat: int) -> float:
+    fn(*args).block_until_ready()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn(*args).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--format", choices=qm.FORMATS, default="q4_1")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=RESULTS / "quantized_matmul_new.json")
+    args = parser.parse_args()
+    reason = native.unavailable_reason(native_cache_dir())
+    if reason is not None:
+        sys.exit(f"native kernels unavailable: {reason}")
+    mats = weights(args.format, args.layers, np.random.default_rng(0))
+    nbytes = sum(d.nbytes for d, _ in mats)
+    bandwidth = copy_bandwidth()
+    print(f"{cpu_model()}; numpy copies {bandwidth / 1e9:.1f} GB/s; {args.format}, {args.layers} layers "
+          f"({nbytes / 1e6:.1f} MB of weights)")
+    native_fn, xla_fn = program(qm.quantized_matmul_native, args.format), program(qm.quantized_matmul_xla, args.format)
+    isas, rows = native.supported_isas(), []
+    chosen = native.isa()
+    for tokens in args.tokens:
+        x = jnp.asarray(np.random.default_rng(tokens).standard_normal((tokens, 576)).astype(np.float32))
+        row = {"tokens": tokens, "xla_ms": 1000 * best_of(xla_fn, (x, mats), args.repeat)}
+        for isa in isas:
+            native.select_isa(isa)
+            row[f"{isa}_ms"] = 1000 * best_of(native_fn, (x, mats), args.repeat)
+        native.select_isa(chosen)
+        rows.append(row)
+        cells = "  ".join(f"{isa} {row[f'{isa}_ms']:7.2f} ms ({nbytes / row[f'{isa}_ms'] / 1e6:5.1f} GB/s)" for isa in isas)
+        print(f"T={tokens:4d}  {cells}  xla {row['xla_ms']:7.2f} ms  xla/{isas[0]} "
+              f"{row['xla_ms'] / row[f'{isas[0]}_ms']:.2f}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"cpu": cpu_model(), "format": args.format, "layers": args.layers,
+                                    "weight_bytes": nbytes, "copy_bytes_per_s": bandwidth, "isas": list(isas),
+                                    "rows": rows}, indent=1))
+    print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+// Quantized matmul on the CPU, as an XLA typed-FFI custom call (pallas_kernels/quantized_matmul.py
+// has the contract, the block layouts and the numpy reference this code must match bit for bit).
+//
+//   out[t, o] = sum_i x[t, i] * W[o, i]     x f32 [T, in], W quantized [out, ...], out f32 [T, out]
+//
+// W's rows are read as stored: GGUF blocks of 32 weights (Q4_0, Q4_1, Q8_0: an f16 scale, an f16
+// minimum for Q4_1, then 16 bytes of nibble pairs or 32 int8) or int8 rows with one f32 scale per
+// row. Each 32-weight block is dequantized into two 16-float vectors in registers (weights 0-15 and
+// 16-31) and multiplied with the same 32 inputs of up to kTokens tokens at once, so a weight read
+// from memory serves several tokens.
+//
+// The arithmetic of one output element is fixed and independent of T, of the tiling and of the
+// instruction set (batch invariance, and the reference can replay it):
+//   w_lo, w_hi = dequantized block b (per weight: float(q) * d [+ m], two rounded f32 operations)
+//   acc = acc + x_lo * w_lo;  acc = acc + x_hi * w_hi        (16 lanes, blocks in order, no FMA)
+//   out = halving tree over acc's lanes (8 + 8, 4 + 4, 2 + 2, 1 + 1) [* row scale for int8]
+// Hence no FMA contraction in this file (the pragma): the baseline variant has no FMA, and a fused
+// multiply-add rounds once where the reference rounds twice. The 16-float vectors (GCC vector
+// extensions) lower to one AVX-512 register, two AVX2 ones or four SSE ones with the same lane
+// arithmetic, so every variant gives the same bits.
+
+#pragma GCC optimize("fp-contract=off")
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "parallel_for.h"
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+// The instruction-set variant every native kernel runs (defined beside the attention kernel):
+// 0 AVX-512, 1 AVX2, 2 baseline, as in pallas_kernels/native.py's ISAS.
+extern "C" int OrcaNativeIsa();
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kBlock = 32;    // weights per block: two vectors
+constexpr int kRowsPerItem = 32;  // work item: output rows one thread takes at a time
+
+using vf = float __attribute__((vector_size(4 * kLanes)));
+using vi = int32_t __attribute__((vector_size(4 * kLanes)));
+using vb = uint8_t __attribute__((vector_size(kLanes)));
+using vsb = int8_t __attribute__((vector_size(kLanes)));
+
+// Numbered as FORMATS in pallas_kernels/quantized_matmul.py.
+enum class Format : int { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kInt8 = 3 };
+
+constexpr int64_t block_bytes(Format f) {
+  return f == Format::kQ4_0 ? 18 : f == Format::kQ4_1 ? 20 : f == Format::kQ8_0 ? 34 : kBlock;
+}
+
+// IEEE half to float, exact for every value (normal, subnormal, zero, inf, NaN): a normal half's
+// exponent is rebiased by a multiply by 2^-112; a subnormal one is built as (1 + m / 2^10) * 2^-14
+// minus 2^-14, exact in f32.
+inline float half_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16, sign = w & 0x80000000u, two_w = w + w;
+  auto from_bits = [](uint32_t bits) {
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  };
+  auto to_bits = [](float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    return bits;
+  };
+  const float normalized = from_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = from_bits((two_w >> 17) | (126u << 23)) - 0.5f;
+  return from_bits(sign | (two_w < (1u << 27) ? to_bits(denormalized) : to_bits(normalized)));
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+struct Problem {
+  const float* x;       // [T, in]
+  const uint8_t* w;     // [out, row_bytes]
+  const float* scales;  // [out] (int8 only)
+  float* out;           // [T, out]
+  int64_t tokens, in, out_features, row_bytes, blocks;
+};
+
+// The kernel, once per instruction set (see quantized_matmul_kernel.inc).
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c,prefer-vector-width=512")
+namespace avx512 {
+#define ORCA_KERNEL_ISA 0
+#include "quantized_matmul_kernel.inc"
+#undef ORCA_KERNEL_ISA
+}  // namespace avx512
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+#define ORCA_KERNEL_ISA 1
+#include "quantized_matmul_kernel.inc"
+#undef ORCA_KERNEL_ISA
+}  // namespace avx2
+#pragma GCC pop_options
+#endif
+namespace base {
+#define ORCA_KERNEL_ISA 2
+#include "quantized_matmul_kernel.inc"
+#undef ORCA_KERNEL_ISA
+}  // namespace base
+
+using ItemFn = void (*)(const Problem&, int64_t, int64_t);
+
+// The variant the native library runs (numbered as OrcaNativeIsa: 0 AVX-512, 1 AVX2, 2 baseline).
+template <Format F>
+ItemFn pick_isa() {
+#if defined(__x86_64__)
+  const int isa = OrcaNativeIsa();
+  if (isa == 0) return avx512::item<F>;
+  if (isa == 1) return avx2::item<F>;
+#endif
+  return base::item<F>;
+}
+
+ItemFn pick(Format f) {
+  switch (f) {
+    case Format::kQ4_0: return pick_isa<Format::kQ4_0>();
+    case Format::kQ4_1: return pick_isa<Format::kQ4_1>();
+    case Format::kQ8_0: return pick_isa<Format::kQ8_0>();
+    default: return pick_isa<Format::kInt8>();
+  }
+}
+
+ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                           ffi::Buffer<ffi::F32> scales, ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t format) {
+  // Shapes are validated in Python (the wrapper names the argument); these checks keep a direct
+  // caller from reading out of bounds.
+  if (format < 0 || format > 3) return ffi::Error::InvalidArgument("quantized_matmul_native: unknown format");
+  const Format f = static_cast<Format>(format);
+  auto x_dims = x.dimensions();
+  auto w_dims = w.dimensions();
+  if (x_dims.size() != 2 || w_dims.size() != 2 || x_dims[1] % kBlock)
+    return ffi::Error::InvalidArgument("quantized_matmul_native: x must be [T, in], in a multiple of 32; w [out, bytes]");
+  Problem p;
+  p.tokens = x_dims[0];
+  p.in = x_dims[1];
+  p.out_features = w_dims[0];
+  p.blocks = p.in / kBlock;
+  p.row_bytes = w_dims[1];
+  const bool int8 = f == Format::kInt8;
+  if (p.row_bytes != p.blocks * block_bytes(f) || ffi::ByteWidth(w.element_type()) != 1 ||
+      (int8 && static_cast<int64_t>(scales.element_count()) != p.out_features) ||
+      out->dimensions().size() != 2 || out->dimensions()[0] != p.tokens || out->dimensions()[1] != p.out_features)
+    return ffi::Error::InvalidArgument("quantized_matmul_native: inconsistent shapes");
+  p.x = x.typed_data();
+  p.w = static_cast<const uint8_t*>(w.untyped_data());
+  p.scales = scales.typed_data();
+  p.out = out->typed_data();
+  if (p.tokens == 0 || p.out_features == 0) return ffi::Error::Success();
+  const ItemFn run = pick(f);
+  const int64_t items = (p.out_features + kRowsPerItem - 1) / kRowsPerItem;
+  orca_native::parallel_for(pool, items, [&](int64_t i) {
+    run(p, i * kRowsPerItem, std::min<int64_t>((i + 1) * kRowsPerItem, p.out_features));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* OrcaQuantizedMatmul(XLA_FFI_CallFrame*);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OrcaQuantizedMatmul, QuantizedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, in]
+                                  .Arg<ffi::AnyBuffer>()  // w [out, row bytes], u8 or s8
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [out] (int8) or [0]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, out]
+                                  .Attr<int32_t>("format"));

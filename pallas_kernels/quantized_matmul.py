@@ -1,0 +1,177 @@
+"""Matmul with quantized weights: activations f32 [T, in] x weights quantized [out, ...] -> f32 [T, out].
+
+Formats (weights of one output row, `in` a multiple of 32, split into blocks of 32 along `in`):
+
+    q4_0  GGUF Q4_0, 18 bytes a block: f16 d, 16 bytes; byte j = weight j (low nibble) and weight
+          j + 16 (high nibble); w = d * (q - 8)
+    q4_1  GGUF Q4_1, 20 bytes: f16 d, f16 m, 16 bytes as q4_0; w = d * q + m
+    q8_0  GGUF Q8_0, 34 bytes: f16 d, 32 int8; w = d * q
+    int8  int8 [out, in] with one f32 scale per output row (per-channel, symmetric): w = scale * q
+
+The GGUF formats are the blocks exactly as a GGUF file stores them: `weights` is then the tensor's
+uint8 data, [out, in / 32 * block bytes], as `gguf.GGUFReader` maps it.
+
+Implementations behind the one contract (`quantized_matmul`):
+
+- `native`: the C++ kernel (cpu/quantized_matmul.cc) through jax.ffi, in the one native library
+  (pallas_kernels.native: built once, AVX-512 / AVX2 / baseline variants chosen at load, forceable).
+  It dequantizes each block in registers and accumulates in f32 in an order fixed per output
+  element (the .cc file states it), the same for every T and every variant: batch-invariant.
+- `xla`: dequantize to f32, then one dot at HIGHEST precision: what runs on GPU (and on a CPU
+  without the native library). Its summation order is XLA's, so it matches the reference to f32
+  rounding, not bit for bit.
+
+`quantized_matmul_reference` (numpy) replays the native kernel's arithmetic operation by operation
+in f32, so the native kernel must equal it exactly; `dequantize_reference` equals gguf's own
+dequantize bit for bit (same f32 operations), which ties the blocks to the file.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORMATS = ("q4_0", "q4_1", "q8_0", "int8")  # numbered as the .cc file's Format
+GGUF_FORMATS = FORMATS[:3]
+BLOCK = 32
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+LANES = 16  # the native kernel's vector width, which fixes its summation order
+# Calls of more tokens than this go to XLA's dequantize-then-dot on CPU too: the native kernel reads
+# each weight once and wins while the weights' bytes bound a call (decode steps); with many rows XLA's
+# float32 GEMM (fused multiply-adds on register tiles) computes faster than the kernel dequantizes and
+# multiplies, and the dequantized copy is spread over the rows. Measured twice on shared cores (Intel
+# Xeon, 2026-12-01, bench/bench_quantized_matmul.py): native ahead up to 16 rows in both runs, the
+# crossover between 32 and 128 rows; 16 keeps every decode bucket on the native kernel.
+NATIVE_MAX_TOKENS = 16
+
+__all__ = ["BLOCK", "BLOCK_BYTES", "FORMATS", "GGUF_FORMATS", "check_weights", "dequantize",
+           "NATIVE_MAX_TOKENS", "dequantize_reference", "quantize_int8", "quantized_matmul", "quantized_matmul_native",
+           "quantized_matmul_reference", "quantized_matmul_xla"]
+
+
+def check_weights(format: str, weights_shape: tuple[int, ...], in_features: int, scales_shape=None) -> None:
+    """Raises ValueError naming the problem when `weights` cannot hold `format` rows of `in_features`."""
+    if format not in FORMATS:
+        raise ValueError(f"quantized matmul: unknown format {format!r}; known: {', '.join(FORMATS)}")
+    if in_features % BLOCK:
+        raise ValueError(f"quantized matmul: in={in_features} is not a multiple of the {BLOCK}-weight block")
+    row_bytes = in_features if format == "int8" else in_features // BLOCK * BLOCK_BYTES[format]
+    if len(weights_shape) != 2 or weights_shape[1] != row_bytes:
+        raise ValueError(f"quantized matmul: {format} weights for in={in_features} must be [out, {row_bytes}], "
+                         f"got {tuple(weights_shape)}")
+    if format == "int8" and (scales_shape is None or tuple(scales_shape) != (weights_shape[0],)):
+        raise ValueError(f"quantized matmul: int8 weights need scales of shape ({weights_shape[0]},), "
+                         f"got {scales_shape}")
+
+
+# ---- numpy reference ---------------------------------------------------------------------------
+
+def _blocks_reference(format: str, weights: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
+    """f32 weights [out, blocks, 32]; for int8 without the row scale (the kernel applies it last)."""
+    out = weights.shape[0]
+    if format == "int8":
+        return weights.view(np.int8).reshape(out, -1, BLOCK).astype(np.float32)
+    blocks = weights.reshape(out, -1, BLOCK_BYTES[format])
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [out, blocks, 1]
+    if format == "q8_0":
+        return blocks[..., 2:].copy().view(np.int8).astype(np.float32) * d
+    packed = blocks[..., 4 if format == "q4_1" else 2:]
+    q = np.concatenate([packed & 15, packed >> 4], axis=-1).astype(np.float32)
+    if format == "q4_0":
+        return (q - np.float32(8)) * d
+    m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    return q * d + m
+
+
+def dequantize_reference(format: str, weights: np.ndarray, scales: np.ndarray | None = None) -> np.ndarray:
+    """The f32 weights [out, in] the blocks stand for."""
+    weights = np.asarray(weights)
+    w = _blocks_reference(format, weights, scales).reshape(weights.shape[0], -1)
+    return w * np.asarray(scales, np.float32)[:, None] if format == "int8" else w
+
+
+def quantized_matmul_reference(x: np.ndarray, format: str, weights: np.ndarray,
+                               scales: np.ndarray | None = None) -> np.ndarray:
+    """out [T, out] computed with the native kernel's f32 operations in its order: per output
+    element, 16 lane sums over the blocks in order (acc + x_lo * w_lo, then + x_hi * w_hi, each
+    product and sum rounded to f32), then a halving tree over the lanes, then the int8 row scale."""
+    x = np.asarray(x, np.float32)
+    weights = np.asarray(weights)
+    check_weights(format, weights.shape, x.shape[1], None if scales is None else np.shape(scales))
+    w = _blocks_reference(format, weights, scales)  # [O, B, 32]
+    xb = x.reshape(x.shape[0], -1, BLOCK)  # [T, B, 32]
+    acc = np.zeros((x.shape[0], w.shape[0], LANES), np.float32)
+    for b in range(w.shape[1]):
+        acc = acc + xb[:, None, b, :LANES] * w[None, :, b, :LANES]
+        acc = acc + xb[:, None, b, LANES:] * w[None, :, b, LANES:]
+    width = LANES
+    while width > 1:
+        width //= 2
+        acc = acc[..., :width] + acc[..., width:2 * width]
+    out = acc[..., 0]
+    return out * np.asarray(scales, np.float32)[None, :] if format == "int8" else out
+
+
+def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-output-channel symmetric int8 of f32 weights [out, in]: scale = max |w| / 127 per row (a
+    zero row gets scale 1 and zeros), q = round-half-even(w / scale). Returns (q int8, scales f32)."""
+    w = np.asarray(w, np.float32)
+    peak = np.abs(w).max(axis=1)
+    scales = np.where(peak > 0, peak / np.float32(127), np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(w / scales[:, None]), -127, 127).astype(np.int8)
+    return q, scales
+
+
+# ---- XLA: dequantize, then dot ------------------------------------------------------------------
+
+def dequantize(format: str, weights: jax.Array, scales: jax.Array | None = None) -> jax.Array:
+    """jnp twin of dequantize_reference: f32 [rows, in] (also the embedding lookup's rows)."""
+    rows = weights.shape[0]
+    if format == "int8":
+        return weights.astype(jnp.float32) * scales[:, None].astype(jnp.float32)
+    blocks = weights.reshape(rows, -1, BLOCK_BYTES[format])
+
+    def half(offset):  # [rows, blocks, 1]
+        return jax.lax.bitcast_convert_type(blocks[..., offset:offset + 2], jnp.float16).astype(jnp.float32)[..., None]
+
+    if format == "q8_0":
+        q = jax.lax.bitcast_convert_type(blocks[..., 2:], jnp.int8).astype(jnp.float32)
+        return (q * half(0)).reshape(rows, -1)
+    packed = blocks[..., 4 if format == "q4_1" else 2:]
+    q = jnp.concatenate([packed & 15, packed >> 4], axis=-1).astype(jnp.float32)
+    w = (q - 8.0) * half(0) if format == "q4_0" else q * half(0) + half(2)
+    return w.reshape(rows, -1)
+
+
+def quantized_matmul_xla(x: jax.Array, format: str, weights: jax.Array, scales: jax.Array | None = None) -> jax.Array:
+    w = dequantize(format, weights, scales)
+    return jnp.einsum("ti,oi->to", x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+
+
+# ---- native (CPU) ---------------------------------------------------------------------------------
+
+def quantized_matmul_native(x: jax.Array, format: str, weights: jax.Array, scales: jax.Array | None = None) -> jax.Array:
+    """The C++ kernel; raises NativeUnavailable unless pallas_kernels.native's library is loaded."""
+    from pallas_kernels import native
+
+    native._require_loaded()
+    call = jax.ffi.ffi_call(native.MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], weights.shape[0]), jnp.float32))
+    scales = jnp.zeros((0,), jnp.float32) if scales is None else scales.astype(jnp.float32)
+    return call(x.astype(jnp.float32), weights, scales, format=np.int32(FORMATS.index(format)))
+
+
+@functools.partial(jax.jit, static_argnames=("format", "cpu_native", "native_max_tokens"))
+def quantized_matmul(x: jax.Array, format: str, weights: jax.Array, scales: jax.Array | None = None, *,
+                     cpu_native: bool = True, native_max_tokens: int = NATIVE_MAX_TOKENS) -> jax.Array:
+    """x [T, in] (any float dtype) -> f32 [T, out]. On CPU the native kernel when `cpu_native` (the
+    caller checked the library loaded) and T <= native_max_tokens, on every other platform and for
+    larger T XLA's dequantize-then-dot: both lowerings are in the program, so one jitted function
+    serves CPU and GPU (and lowers for CUDA on a CPU machine)."""
+    check_weights(format, weights.shape, x.shape[-1], None if scales is None else scales.shape)
+    xla = lambda: quantized_matmul_xla(x, format, weights, scales)  # noqa: E731
+    if not cpu_native or x.shape[0] > native_max_tokens:
+        return xla()
+    return jax.lax.platform_dependent(cpu=lambda: quantized_matmul_native(x, format, weights, scales), default=xla)

@@ -1,0 +1,126 @@
+"""The quantized matmul kernel (pallas_kernels/quantized_matmul.py): every instruction-set variant this
+CPU has, forced one by one, against the numpy reference on ragged shapes.
+
+"Exact" here means bit for bit: the reference replays the kernel's f32 operations in the kernel's
+order (block dequantization as gguf does it, 16 lane sums over the blocks without FMA, a halving tree
+over the lanes), so any reordering, fused multiply-add or wrong nibble shows as a difference. XLA's
+dequantize-then-dot (the GPU path) sums in its own order: it is held to a rounding bound instead."""
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from pallas_kernels import native
+from pallas_kernels import quantized_matmul as qm
+
+from ..conftest import require_native
+
+GGUF_TYPES = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
+              "q8_0": gguf.GGMLQuantizationType.Q8_0}
+# (T, in, out): decode (1-3 tokens), a prefill chunk, a full tile; SmolLM2's in = 576 and 1536; outputs
+# that leave a remainder of rows (577 = 4 * 144 + 1, 130) and of items (out not a multiple of 32).
+SHAPES = [(1, 576, 192), (2, 1536, 130), (3, 576, 577), (17, 1536, 64), (64, 576, 97)]
+
+
+def quantized(format: str, w: np.ndarray):
+    if format == "int8":
+        return qm.quantize_int8(w)
+    return gguf.quants.quantize(w, GGUF_TYPES[format]), None
+
+
+@pytest.fixture
+def restore_isa():
+    require_native()
+    chosen = native.isa()
+    yield
+    native.select_isa(chosen)
+
+
+native_matmul = jax.jit(qm.quantized_matmul_native, static_argnums=1)
+
+
+@pytest.mark.parametrize("format", qm.FORMATS)
+def test_every_variant_equals_the_reference_bit_for_bit(restore_isa, format):
+    rng = np.random.default_rng(qm.FORMATS.index(format))
+    for tokens, inner, out in SHAPES:
+        weights, scales = quantized(format, rng.standard_normal((out, inner)).astype(np.float32))
+        x = rng.standard_normal((tokens, inner)).astype(np.float32)
+        want = qm.quantized_matmul_reference(x, format, weights, scales)
+        for isa in native.supported_isas():
+            native.select_isa(isa)
+            got = np.asarray(native_matmul(x, format, weights, scales))
+            np.testing.assert_array_equal(got, want, err_msg=f"{format} {isa} T={tokens} in={inner} out={out}")
+
+
+def test_a_token_gets_the_same_bits_alone_or_in_a_batch(restore_isa):
+    """Batch invariance: row t of a 64-token call equals the same token's 1-token call."""
+    rng = np.random.default_rng(7)
+    weights, _ = quantized("q4_1", rng.standard_normal((96, 576)).astype(np.float32))
+    x = rng.standard_normal((64, 576)).astype(np.float32)
+    batched = np.asarray(native_matmul(x, "q4_1", weights, None))
+    for t in (0, 5, 63):
+        np.testing.assert_array_equal(np.asarray(native_matmul(x[t:t + 1], "q4_1", weights, None))[0], batched[t])
+
+
+@pytest.mark.parametrize("format", qm.FORMATS)
+def test_xla_dequantize_then_dot_is_within_rounding_of_the_reference(format):
+    rng = np.random.default_rng(11)
+    weights, scales = quantized(format, rng.standard_normal((130, 1536)).astype(np.float32))
+    x = rng.standard_normal((5, 1536)).astype(np.float32)
+    want = qm.quantized_matmul_reference(x, format, weights, scales)
+    got = np.asarray(qm.quantized_matmul(x, format, weights, scales, cpu_native=False))
+    # Two f32 sums of 1536 products in different orders differ by at most ~in * eps * sum |x w|.
+    bound = 1536 * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(qm.dequantize_reference(format, weights, scales)).T)
+    assert (np.abs(got - want) <= bound).all()
+    np.testing.assert_array_equal(np.asarray(qm.dequantize(format, jnp.asarray(weights),
+                                                           None if scales is None else jnp.asarray(scales))),
+                                  qm.dequantize_reference(format, weights, scales))
+
+
+@pytest.mark.parametrize("format", qm.GGUF_FORMATS)
+def test_blocks_dequantize_exactly_as_gguf_does(format):
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((64, 576)).astype(np.float32)
+    w[0] = 0.0  # a zero block (d = 0)
+    w[1, :32] = 1e-6  # tiny scales: subnormal f16 d
+    weights, _ = quantized(format, w)
+    np.testing.assert_array_equal(qm.dequantize_reference(format, weights), gguf.quants.dequantize(weights, GGUF_TYPES[format]))
+
+
+def test_int8_scales_and_values_match_a_plain_numpy_quantizer():
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((48, 64)).astype(np.float32) * rng.uniform(0.01, 3, (48, 1)).astype(np.float32)
+    w[3] = 0.0
+    q, scales = qm.quantize_int8(w)
+    for row in range(w.shape[0]):  # one row at a time, the textbook way
+        peak = float(np.max(np.abs(w[row])))
+        scale = np.float32(peak / 127) if peak else np.float32(1)
+        assert scales[row] == scale, row
+        np.testing.assert_array_equal(q[row], np.round(w[row] / scale).astype(np.int8))
+    assert q.dtype == np.int8 and np.abs(q).max() == 127
+    assert np.abs(qm.dequantize_reference("int8", q, scales) - w).max() <= scales.max() / 2 * (1 + 1e-6)
+
+
+def test_bad_weights_are_refused_with_the_expected_shape():
+    x = np.zeros((2, 576), np.float32)
+    with pytest.raises(ValueError, match=r"q4_1 weights for in=576 must be \[out, 360\]"):
+        qm.quantized_matmul(x, "q4_1", np.zeros((8, 324), np.uint8))
+    with pytest.raises(ValueError, match="not a multiple of the 32-weight block"):
+        qm.quantized_matmul(np.zeros((2, 40), np.float32), "q8_0", np.zeros((8, 34), np.uint8))
+    with pytest.raises(ValueError, match=r"int8 weights need scales of shape \(8,\)"):
+        qm.quantized_matmul(x, "int8", np.zeros((8, 576), np.int8))
+    with pytest.raises(ValueError, match="unknown format 'q5_0'"):
+        qm.quantized_matmul(x, "q5_0", np.zeros((8, 576), np.uint8))
+
+
+def test_the_matmul_lowers_for_cuda_as_dequantize_then_dot():
+    """The GPU path of the same jitted function: exported for CUDA on this CPU machine, with no
+    custom call left (the native kernel is a CPU-only branch)."""
+    shapes = (jax.ShapeDtypeStruct((4, 576), jnp.float32), jax.ShapeDtypeStruct((192, 360), jnp.uint8))
+    exported = export.export(jax.jit(lambda x, w: qm.quantized_matmul(x, "q4_1", w)), platforms=["cuda"])(*shapes)
+    module = exported.mlir_module()
+    assert exported.platforms == ("cuda",)
+    assert "orca_quantized_matmul" not in module and "stablehlo.dot_general" in module
