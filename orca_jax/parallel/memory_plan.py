@@ -121,7 +121,8 @@ def param_shapes(model: ModelConfig) -> list[tuple[tuple, tuple[int, ...], tuple
     raises): 96 layers take 5-15 s, one layer well under one. A test checks the shortcut against
     the full evaluation.
     """
-    one_layer = abstract_decoder(dataclasses.replace(model, n_layers=1))
+    # Layers of one model have the same parameters whatever their kind (sliding or full attention).
+    one_layer = abstract_decoder(dataclasses.replace(model, n_layers=1, layer_types=model.layer_types and model.layer_types[:1]))
     records = _flat_params(one_layer)
     shapes = [r for r in records if r[0][0] != "layers"]
     for i in range(model.n_layers):

@@ -232,3 +232,20 @@ def test_gguf_gemma_metadata_follows_llama_cpp(tmp_path):
     gemma3 = load_model(convert(write_gguf_like_llama_cpp("gemma3_text", tmp_path / "g3.gguf"), "g3",
                                 tmp_path / "c3")).config
     assert gemma3.layer_types == ("sliding",) * 3 and gemma3.rope_local_theta == 1e4 and gemma3.qk_norm
+
+
+def test_the_offline_api_serves_a_family_with_layer_types(tmp_path):
+    """Through LLM and the builder (the memory plan sizes a one-layer model of the family): Gemma 3's
+    per-layer windows and RoPE bases, with int8 weights too (their tokens may differ from
+    transformers'; the engine must build and run)."""
+    from orca_jax.llm import LLM
+
+    checkpoint = convert(FIXTURES / "gemma3_text", "g3", tmp_path / "checkpoint")
+    prompt, _, hf_greedy = reference("gemma3_text")[1]
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for quantization in ("none", "int8"):
+        llm = LLM(str(checkpoint), quantization=quantization, max_num_seqs=4, max_num_batched_tokens=64)
+        out = llm.generate([{"prompt_token_ids": prompt.tolist()}], greedy, use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 32
+        if quantization == "none":
+            assert out.token_ids == hf_greedy.tolist()
