@@ -1,7 +1,7 @@
 """Speculative decoding: speculation off vs n-gram drafts, one stream and 16 at once, on a copy-heavy
 workload (answers that repeat their prompt) and on the `throughput` workload.
 
-    python bench/bench_spec.py [--num-requests 9] [--throughput-requests 32] [--out bench/results/spec.json]
+    python bench/bench_spec.py [--num-requests 9] [--throughput-requests 32] [--out bench/results/spec_new.json]
 
 Both engines run the same greedy requests (outputs must be identical, token for token; the JSON
 records whether they were); the figures are generated tok/s, the ratio ngram / off (within this
@@ -127,7 +127,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--num-requests", type=int, default=9, help="copy-heavy requests (three kinds, in turn)")
     parser.add_argument("--throughput-requests", type=int, default=32, help="requests of the throughput workload")
-    parser.add_argument("--out", type=Path, default=RESULTS / "spec.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "spec_new.json",
+                        help="default: a new file beside the committed spec.json")
     args = parser.parse_args()
 
     llms = {mode: LLM(args.model, max_num_seqs=16, max_num_batched_tokens=512, speculative_config=spec,
