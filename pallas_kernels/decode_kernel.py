@@ -24,6 +24,24 @@ from jax.experimental import pallas as pl
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+def online_softmax_step(q, k, v, visible, state, soft_cap):
+    """One page of keys for rows q [R, Dh] (both kernels): scores against k [page, Dh], soft-capped
+    if asked, masked by visible [R, page] (masked probabilities exactly zero), folded into the
+    online-softmax state (row_max [R], row_sum [R], acc [R, Dh]) with v [page, Dh]."""
+    row_max, row_sum, acc = state
+    scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                                 preferred_element_type=jnp.float32)  # [R, page]
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = jnp.where(visible, scores, MASK_VALUE)
+    new_max = jnp.maximum(row_max, scores.max(axis=1))
+    correction = jnp.exp(row_max - new_max)
+    probs = jnp.where(visible, jnp.exp(scores - new_max[:, None]), 0.0)
+    pv = jax.lax.dot(probs.astype(v.dtype), v, precision=jax.lax.Precision.HIGHEST,
+                     preferred_element_type=jnp.float32)  # [R, Dh]
+    return new_max, row_sum * correction + probs.sum(axis=1), acc * correction[:, None] + pv
+
+
 def _decode_kernel(
     query_pos_ref,  # [S] int32 (whole array): the sequence's query position, -1: no query
     block_tables_ref,  # [S, max_pages] int32 (whole array)
@@ -45,23 +63,12 @@ def _decode_kernel(
     q = q_ref[...]
 
     def visit_page(j, carry):
-        row_max, row_sum, acc = carry
         page = block_tables_ref[seq, j]
         k = k_pages_ref[page, :, head, :]  # [page, Dh]
         v = v_pages_ref[page, :, head, :]
         key_pos = j * page_size + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)  # [1, page]
-        visible = (key_pos < end) & (key_pos >= start)
-        scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
-                                     preferred_element_type=jnp.float32)  # [G_pad, page]
-        if soft_cap is not None:
-            scores = soft_cap * jnp.tanh(scores / soft_cap)
-        scores = jnp.where(visible, scores, MASK_VALUE)
-        new_max = jnp.maximum(row_max, scores.max(axis=1))
-        correction = jnp.exp(row_max - new_max)
-        probs = jnp.where(visible, jnp.exp(scores - new_max[:, None]), 0.0)
-        pv = jax.lax.dot(probs.astype(v.dtype), v, precision=jax.lax.Precision.HIGHEST,
-                         preferred_element_type=jnp.float32)  # [G_pad, Dh]
-        return new_max, row_sum * correction + probs.sum(axis=1), acc * correction[:, None] + pv
+        visible = (key_pos < end) & (key_pos >= start)  # [1, page], for all G_pad rows
+        return online_softmax_step(q, k, v, visible, carry, soft_cap)
 
     init = (jnp.full((group_pad,), MASK_VALUE, jnp.float32), jnp.zeros((group_pad,), jnp.float32),
             jnp.zeros((group_pad, head_dim), jnp.float32))

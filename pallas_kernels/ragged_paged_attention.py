@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.block_sizes import BlockSizes, check_triton_shapes, default_block_sizes
-from pallas_kernels.decode_kernel import MASK_VALUE, decode_attention
+from pallas_kernels.decode_kernel import MASK_VALUE, decode_attention, online_softmax_step
 
 
 def _kernel(
@@ -84,22 +84,7 @@ def _kernel(
             visible = rows[:, None] & (key_pos <= positions[:, None]) & (key_pos < kv_len)  # [BQ, page]
             if sliding_window is not None:
                 visible &= key_pos > positions[:, None] - sliding_window
-            updated = []
-            for q, (row_max, row_sum, acc) in zip(queries, carry):
-                scores = jax.lax.dot_general(
-                    q, k, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
-                    preferred_element_type=jnp.float32,
-                )  # [BQ, page]
-                if soft_cap is not None:
-                    scores = soft_cap * jnp.tanh(scores / soft_cap)
-                scores = jnp.where(visible, scores, MASK_VALUE)
-                new_max = jnp.maximum(row_max, scores.max(axis=1))
-                correction = jnp.exp(row_max - new_max)
-                probs = jnp.where(visible, jnp.exp(scores - new_max[:, None]), 0.0)
-                pv = jax.lax.dot(probs.astype(v.dtype), v, precision=jax.lax.Precision.HIGHEST,
-                                 preferred_element_type=jnp.float32)  # [BQ, Dh]
-                updated.append((new_max, row_sum * correction + probs.sum(axis=1), acc * correction[:, None] + pv))
-            return tuple(updated)
+            return tuple(online_softmax_step(q, k, v, visible, state, soft_cap) for q, state in zip(queries, carry))
 
         num_visited = pl.cdiv(end, page_size)
         return jax.lax.fori_loop(jnp.minimum(start // page_size, num_visited), num_visited, visit_page, carry)
