@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 
 from orca_jax.config import ConfigError, ParallelConfig, kv_page_dtype, matmul_precision_for
 from orca_jax.runner.compile_cache import ExecutableStore, enable_compilation_cache
+from orca_jax.runner.packing import pack
 from orca_jax.engine.step_plan import Buckets, KVLayout, RunnerLost, StepPlan, StepTokens, padding_plan, step_tokens
 from orca_jax.model.attention import AttentionMetadata
 from orca_jax.model.decoder import Decoder, DecoderStage
@@ -102,6 +103,9 @@ class Stage:
     last: bool
     local: bool  # this process owns the stage's devices; otherwise the three fields below are empty
     params: Any = None  # nnx.State of the stage's DecoderStage, sharded by the logical-axis rules
+    # `params` flattened once: the programs take the leaves, so a step does not flatten the
+    # State's ~270 variables at every call (~1.5 ms of host time per step)
+    param_leaves: list = dataclasses.field(default_factory=list)
     kv_caches: list = dataclasses.field(default_factory=list)  # one (k_pages, v_pages) per layer
     # A speculating runner's last stage: the token id of every KV slot [P + 1, page] (speculation.py)
     token_pages: Any = None
@@ -224,22 +228,25 @@ class ModelRunner:
         kv_sharding = kv_cache_sharding(mesh)
         zeros = jax.jit(lambda: jnp.zeros(kv_shape, self.kv_dtype), out_shardings=kv_sharding)
         attention = sharded_paged_attention(self.attention_impl, mesh)
+        param_treedef = jax.tree.structure(params)
 
-        def run_layers(params, kv_caches, token_pages, x, inputs: StepInputs):
-            stage = nnx.merge(graphdef, params)
+        def run_layers(param_leaves, kv_caches, token_pages, x, packed_inputs):
+            stage = nnx.merge(graphdef, jax.tree.unflatten(param_treedef, param_leaves))
+            inputs: StepInputs = packed_inputs.unpack()
             x, kv_caches = stage(inputs.token_ids if first else x, inputs.attention, kv_caches, inputs.logits_index,
                                  attention)
             if token_pages is not None:
                 token_pages = write_tokens(token_pages, inputs.token_ids, inputs.attention.slot_mapping)
             return x, kv_caches, token_pages
 
-        def run_head(params, row_tokens, sampling: SamplingMetadata, speculation: SpeculationMetadata | None,
-                     token_pages):
+        def run_head(param_leaves, row_tokens, packed_sampling, packed_speculation, token_pages):
+            sampling: SamplingMetadata = packed_sampling.unpack()
             num_rows = sampling.temperature.shape[0]  # the row bucket: only its rows get logits
-            sampled = sample(nnx.merge(graphdef, params).logits(row_tokens[:num_rows]), sampling)
-            if speculation is None:
+            head = nnx.merge(graphdef, jax.tree.unflatten(param_treedef, param_leaves))
+            sampled = sample(head.logits(row_tokens[:num_rows]), sampling)
+            if packed_speculation is None:
                 return sampled
-            return verify_and_propose(self.proposer, token_pages, sampled, speculation)
+            return verify_and_propose(self.proposer, token_pages, sampled, packed_speculation.unpack())
 
         # Pinning output placements keeps the donated caches' sharding identical across steps, so a
         # step's outputs are always valid inputs of the next.
@@ -250,6 +257,7 @@ class ModelRunner:
                                  out_shardings=(replicated, kv_sharding, None if token_pages is None else replicated))
         head_program = jax.jit(run_head, out_shardings=replicated) if last else None
         return Stage(index, layers, mesh, replicated, first, last, local=True, params=params,
+                     param_leaves=jax.tree.leaves(params),
                      kv_caches=[(zeros(), zeros()) for _ in layers], token_pages=token_pages,
                      layers_program=layers_program, head_program=head_program)
 
@@ -327,20 +335,22 @@ class ModelRunner:
         if name == "layers":
             placed = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=stage.replicated)  # noqa: E731
             plan = padding_plan(size, self.buckets.row_buckets[0], self.kv_layout, self.config.vocab_size)
-            inputs = jax.tree.map(lambda a: placed(a.shape, a.dtype), StepInputs.of(plan))
+            inputs = jax.tree.map(lambda a: placed(a.shape, a.dtype), pack(StepInputs.of(plan)))
             x = None if stage.first else placed((size, self.config.d_model), jnp.dtype(self.config.dtype))
-            args, program = (stage.params, stage.kv_caches, stage.token_pages, x, inputs), stage.layers_program
+            args, program = (stage.param_leaves, stage.kv_caches, stage.token_pages, x, inputs), stage.layers_program
             out_tree = jax.tree.structure((0, stage.kv_caches, stage.token_pages))
         else:
             plan = padding_plan(self.buckets.tokens[0], size, self.kv_layout, self.config.vocab_size)
             row_tokens = jax.ShapeDtypeStruct((self.kv_layout.max_logit_rows, self.config.d_model),
                                               jnp.dtype(self.config.dtype), sharding=stage.replicated)
-            args = (stage.params, row_tokens, self._sampling_metadata(plan, stage),
+            args = (stage.param_leaves, row_tokens, self._sampling_metadata(plan, stage),
                     self._speculation_metadata(plan, stage), stage.token_pages)
             program = stage.head_program
             out_tree = jax.tree.structure(_result_shapes(size, self.kv_layout))
         return self.executable_store.load_or_compile(
-            f"{name}{size}-stage{stage.index}", args, repr((self.config, self.attention_impl, self.matmul_precision, self.proposer)),
+            # The kv_layout fixes where each field sits in the packed inputs (packing.py).
+            f"{name}{size}-stage{stage.index}", args,
+            repr((self.config, self.attention_impl, self.matmul_precision, self.proposer, self.kv_layout)),
             lambda: self.lower(program, args), out_tree, list(stage.mesh.devices.flat))
 
     def lower(self, program, args):
@@ -435,11 +445,11 @@ class ModelRunner:
         num_tokens, num_rows = plan.bucket
         # The compiled programs take their inputs exactly where they were compiled for: on every
         # device of the stage.
-        inputs = jax.device_put(StepInputs.of(plan), stage.replicated)
+        inputs = jax.device_put(pack(StepInputs.of(plan)), stage.replicated)
         x, stage.kv_caches, stage.token_pages = self._program(stage, "layers", num_tokens)(
-            stage.params, stage.kv_caches, stage.token_pages, x, inputs)
+            stage.param_leaves, stage.kv_caches, stage.token_pages, x, inputs)
         if stage.last:
-            x = self._program(stage, "head", num_rows)(stage.params, x, self._sampling_metadata(plan, stage),
+            x = self._program(stage, "head", num_rows)(stage.param_leaves, x, self._sampling_metadata(plan, stage),
                                                        self._speculation_metadata(plan, stage), stage.token_pages)
         return x
 
@@ -467,12 +477,12 @@ class ModelRunner:
         fields = vars(plan.sampling).copy()  # SamplingArrays' fields are SamplingMetadata's
         if fields["output_counts"] is None:
             fields["output_counts"], fields["seen_tokens"] = self._zero_penalty_arrays(plan.bucket[1], stage)
-        return jax.device_put(SamplingMetadata(**fields), stage.replicated)
+        return jax.device_put(pack(SamplingMetadata(**fields)), stage.replicated)
 
     def _speculation_metadata(self, plan: StepPlan, stage: Stage) -> SpeculationMetadata | None:
         if plan.speculation is None:
             return None
-        return jax.device_put(SpeculationMetadata(**vars(plan.speculation), block_tables=plan.block_tables),
+        return jax.device_put(pack(SpeculationMetadata(**vars(plan.speculation), block_tables=plan.block_tables)),
                               stage.replicated)
 
     def _zero_penalty_arrays(self, num_seqs: int, stage: Stage) -> tuple[jax.Array, jax.Array]:

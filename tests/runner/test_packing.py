@@ -1,0 +1,51 @@
+"""A step's host arrays travel as one buffer per dtype and come back out exactly (packing.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from orca_jax.engine.step_plan import KVLayout, padding_plan
+from orca_jax.model.sampler import SamplingMetadata
+from orca_jax.runner.model_runner import StepInputs
+from orca_jax.runner.packing import pack
+
+
+def _tree():
+    rng = np.random.default_rng(0)
+    return {
+        "ids": rng.integers(-5, 1000, (3, 7)).astype(np.int32),
+        "lens": np.arange(5, dtype=np.int32),
+        "scale": rng.standard_normal(4).astype(np.float32),
+        "flag": np.bool_(True),
+        "mask": rng.random((2, 3)) > 0.5,
+        "seeds": np.array([1, 2**32 - 1], np.uint32),
+        "placed": jnp.arange(6.0),  # already on the device: passed through, not copied into a buffer
+        "empty": np.zeros((0, 4), np.int32),
+    }
+
+
+def test_packing_makes_one_buffer_per_dtype_and_unpacks_exactly_inside_jit():
+    tree = _tree()
+    packed = pack(tree)
+    assert sorted(b.dtype.name for b in packed.buffers) == ["bool", "float32", "int32", "uint32"]
+    assert len(packed.kept) == 1
+    unpacked = jax.jit(lambda p: p.unpack())(jax.device_put(packed))
+    assert jax.tree.structure(unpacked) == jax.tree.structure(tree)
+    for name, value in tree.items():
+        got = np.asarray(unpacked[name])
+        assert got.dtype == np.asarray(value).dtype and got.shape == np.shape(value), name
+        np.testing.assert_array_equal(got, np.asarray(value), err_msg=name)
+
+
+def test_a_decode_steps_inputs_reach_the_device_in_one_buffer_per_dtype():
+    kv = KVLayout(num_pages=8, page_size=4, max_pages_per_seq=3, max_num_seqs=4)
+    plan = padding_plan(1, 1, kv, vocab_size=40)
+    inputs = pack(StepInputs.of(plan))
+    assert [b.dtype.name for b in inputs.buffers] == ["int32"]  # 7 int32 arrays, one transfer
+    fields = vars(plan.sampling).copy()
+    fields["output_counts"], fields["seen_tokens"] = jnp.zeros((1, 40), jnp.int32), jnp.zeros((1, 40), bool)
+    sampling = pack(SamplingMetadata(**fields))
+    assert len(sampling.buffers) <= 4 and len(sampling.kept) == 2  # ~20 arrays in at most 4 transfers
+    back = sampling.unpack()
+    np.testing.assert_array_equal(back.stop_ids, plan.sampling.stop_ids)
+    np.testing.assert_array_equal(back.token_bitmask, plan.sampling.token_bitmask)
