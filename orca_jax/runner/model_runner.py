@@ -477,6 +477,9 @@ class ModelRunner:
         fields = vars(plan.sampling).copy()  # SamplingArrays' fields are SamplingMetadata's
         if fields["output_counts"] is None:
             fields["output_counts"], fields["seen_tokens"] = self._zero_penalty_arrays(plan.bucket[1], stage)
+        else:  # placed on their own, so the packed layout is the same with penalties or without
+            fields["output_counts"], fields["seen_tokens"] = jax.device_put(
+                (fields["output_counts"], fields["seen_tokens"]), stage.replicated)
         return jax.device_put(pack(SamplingMetadata(**fields)), stage.replicated)
 
     def _speculation_metadata(self, plan: StepPlan, stage: Stage) -> SpeculationMetadata | None:
