@@ -178,6 +178,7 @@ def plan_memory(
     dtype: DType | None = None,
     kv_cache_dtype: str = "auto",
     memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
+    loaded_model=None,
 ) -> MemoryPlan:
     """Plans parameters and KV pages per device, or raises ConfigError naming the shortfall and fix.
 
@@ -187,7 +188,8 @@ def plan_memory(
     `max_model_len` defaults to the model's context length; `dtype` overrides the model's;
     `kv_cache_dtype` is the KV pages' ("auto": the model's). `memory_utilization` (vLLM's
     gpu_memory_utilization): the fraction of `device_memory` for parameters and KV; the rest is the
-    reserve.
+    reserve. `loaded_model`: the Decoder as it will be placed, when its arrays differ from what
+    `model`'s dtype implies (quantized matrices: their own bytes count, not float ones).
     """
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     if dtype is not None:
@@ -208,7 +210,8 @@ def plan_memory(
     runtime = dataclasses.replace(model, n_kv_heads=kv_heads)
     ranges = stage_layer_ranges(model.n_layers, pp)
     param_bytes = [0] * pp
-    for path, shape, axes, itemsize in param_shapes(runtime):
+    shapes = param_shapes(runtime) if loaded_model is None else _flat_params(loaded_model)
+    for path, shape, axes, itemsize in shapes:
         for stage in _stages_holding(path, ranges, model.tie_word_embeddings):
             param_bytes[stage] += _bytes_per_device(shape, axes, itemsize, tp)
     itemsize = jnp.dtype(kv_page_dtype(kv_cache_dtype, model.dtype)).itemsize

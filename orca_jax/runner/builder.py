@@ -89,13 +89,14 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
         kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
     plan = plan_memory(model_config, config.parallel, page_size=cache.page_size, max_model_len=max_model_len,
                        device_memory=device_memory, kv_cache_memory=kv_cache_memory,
-                       kv_cache_dtype=cache.kv_cache_dtype, memory_utilization=cache.device_memory_utilization)
+                       kv_cache_dtype=cache.kv_cache_dtype, memory_utilization=cache.device_memory_utilization,
+                       loaded_model=loaded.model if config.quantization != "none" else None)
     runner = ModelRunner(loaded.model, num_pages=plan.num_pages, page_size=config.cache.page_size,
                          max_model_len=max_model_len, buckets=bucket_set(config, options),
                          attention_impl=config.attention_impl, parallel=config.parallel, devices=devices,
                          step_timeout=None if distributed is None else distributed.step_timeout,
                          kv_cache_dtype=config.cache.kv_cache_dtype, matmul_precision=config.matmul_precision,
-                         proposer=proposer_of(config), weights=weights)
+                         proposer=proposer_of(config), weights=weights, quantization=config.quantization)
     if options.show_progress:
         print(f"orca_jax: {model_config.name}, policy {config.scheduler.policy}, {runner.describe()}\n"
               f"{plan.one_line()}", file=sys.stderr)

@@ -145,6 +145,7 @@ class ModelRunner:
         matmul_precision: str = "auto",
         proposer: NgramProposer | None = None,
         weights=None,
+        quantization: str = "none",
     ):
         """`attention_impl`: "auto", "native", "xla", "pallas" or "pallas-interpret", resolved here
         for the devices' platform. `devices` (default: all of jax.devices(), every process's) are split
@@ -156,7 +157,9 @@ class ModelRunner:
         `proposer`: speculative decoding's n-gram drafts (speculation.py); `buckets` then need logit-row
         buckets (`with_draft_rows`). `weights` (a CheckpointWeights or DummyWeights): the model is
         abstract (shapes only) and each stage's parameters come from it, straight into their
-        shardings; None: the model's own arrays are placed."""
+        shardings; None: the model's own arrays are placed. `quantization`: how the model's matrices
+        were quantized (config.QUANTIZATION_CHOICES; the model already holds them so), for the
+        layout settings and the start-up line."""
         enable_compilation_cache()
         config = model.config
         check_parallel(config, parallel)
@@ -173,6 +176,7 @@ class ModelRunner:
         self.kv_dtype = jnp.dtype(kv_page_dtype(kv_cache_dtype, config.dtype))
         self.matmul_precision = matmul_precision_for(matmul_precision, config.dtype)
         self.weights = weights
+        self.quantization = quantization
         self.buckets = buckets
         self.max_in_flight = parallel.pipeline_parallel_size
         platform = meshes[0].devices.flat[0].platform
@@ -278,6 +282,7 @@ class ModelRunner:
         compares them at start-up and names each that differs)."""
         settings = {"kv_dtype": self.kv_dtype.name, "attention_impl": self.attention_impl,
                     "matmul_precision": self.matmul_precision, "proposer": repr(self.proposer),
+                    "quantization": self.quantization,
                     "weights": "the model's arrays" if self.weights is None else self.weights.describe()}
         for name, value in (("model", self.config), ("parallel", self.parallel), ("kv_layout", self.kv_layout),
                             ("buckets", self.buckets)):
@@ -300,8 +305,9 @@ class ModelRunner:
                            for s in self.stages)
         drafts = "" if self.proposer is None else f", n-gram drafts of up to {self.proposer.num_speculative_tokens}"
         weights = "" if self.weights is None else f"; weights: {self.weights.summary()}"
+        quantized = "" if self.quantization == "none" else f", weights quantized ({self.quantization})"
         return (f"tp {tp} x pp {pp} ({stages}), attention {self.attention_impl}, KV pages {self.kv_dtype.name}"
-                f"{drafts}{weights}")
+                f"{quantized}{drafts}{weights}")
 
     # ---- compilation ---------------------------------------------------------------------
     def warm_up(self, show_progress: bool = True) -> float:

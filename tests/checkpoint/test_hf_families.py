@@ -247,5 +247,7 @@ def test_the_offline_api_serves_a_family_with_layer_types(tmp_path):
         llm = LLM(str(checkpoint), quantization=quantization, max_num_seqs=4, max_num_batched_tokens=64)
         out = llm.generate([{"prompt_token_ids": prompt.tolist()}], greedy, use_tqdm=False)[0].outputs[0]
         assert len(out.token_ids) == 32
+        # Processes of one multi-host model compare it at start-up (parallel/multihost.py).
+        assert llm.runner.layout_settings()["quantization"] == quantization
         if quantization == "none":
             assert out.token_ids == hf_greedy.tolist()

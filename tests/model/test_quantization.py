@@ -5,6 +5,7 @@ positions, and its logprob of float32's token stays close. The GGUF blocks serve
 bytes, and configuration mistakes are refused with the fix."""
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from flax import nnx
 from orca_jax.checkpoint.gguf_import import GGUF_FILE, unpermute_llama_qk
 from orca_jax.config import ConfigError, EngineConfig, ParallelConfig
 from orca_jax.model.quantization import quantize_decoder
+from orca_jax.parallel.memory_plan import plan_memory
 
 # Measured on the fixtures' 133 positions (printed with -s). The float32 checkpoint is the same GGUF
 # dequantized, so `gguf` computes the very same weights: agreement 1.000, drift mean 3e-6, max 3e-5 nats (f32
@@ -107,3 +109,14 @@ def test_bad_quantization_settings_are_refused():
         EngineConfig(quantization="q4")
     with pytest.raises(ConfigError, match="use tensor_parallel_size=1"):
         EngineConfig(quantization="int8", parallel=ParallelConfig(tensor_parallel_size=3))
+
+
+@pytest.mark.parametrize("quantization", ["gguf", "int8"])
+def test_the_memory_plan_counts_quantized_matrices_at_their_own_size(request, smollm2, quantization):
+    model = request.getfixturevalue(f"smollm2_{quantization}").model
+    placed = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    plan = plan_memory(smollm2.config, ParallelConfig(), page_size=16, max_model_len=512, kv_cache_memory=2**26,
+                       loaded_model=model)
+    assert plan.param_bytes == placed
+    float_plan = plan_memory(smollm2.config, ParallelConfig(), page_size=16, max_model_len=512, kv_cache_memory=2**26)
+    assert plan.param_bytes < float_plan.param_bytes / 3  # 97 / 135 MB against 538 MB of float32
