@@ -24,7 +24,6 @@ class Layout:
     """Where every leaf of the packed tree lives: ("packed", buffer, offset, shape) or ("kept", index)."""
 
     treedef: Any
-    dtypes: tuple[str, ...]  # of the buffers, in order
     slots: tuple[tuple, ...]
 
 
@@ -76,4 +75,4 @@ def pack(tree) -> Packed:
     index = {dtype: i for i, dtype in enumerate(dtypes)}
     slots = tuple(slot if slot[0] == "kept" else ("packed", index[slot[1]], slot[2], slot[3]) for slot in slots)
     buffers = tuple(np.concatenate(groups[dtype]) for dtype in dtypes)
-    return Packed(buffers, tuple(kept), Layout(treedef, tuple(d.name for d in dtypes), slots))
+    return Packed(buffers, tuple(kept), Layout(treedef, slots))
