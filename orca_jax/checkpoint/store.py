@@ -21,7 +21,6 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint.experimental.v1 import partial as orbax_partial
 from flax import nnx
 
 from orca_jax.config import (
@@ -118,6 +117,17 @@ def save_checkpoint(
 
 # Orbax's partial saves gather here, inside the checkpoint directory being written.
 _PARTIAL_SAVES = "params.parts"
+
+
+def _orbax_partial():
+    """Orbax's partial saves, imported only to write: loading needs none, and older orbax versions
+    (a machine's preinstalled one) lack them."""
+    try:
+        from orbax.checkpoint.experimental.v1 import partial
+    except ImportError as e:
+        raise CheckpointError(f"writing a checkpoint needs orbax-checkpoint with partial saves (0.12.8 is "
+                              f"tested; this one has none: {e}); run `pip install -U orbax-checkpoint`") from None
+    return partial
 # What orbax writes beside a checkpoint's tree; kept inside `params/`, where a whole save puts it.
 _ORBAX_METADATA = "_CHECKPOINT_METADATA"
 
@@ -139,8 +149,9 @@ class CheckpointWriter:
         self._expected = {k: tuple(v.shape) for k, v in template.items()}
         self._written: set[str] = set()
         self.path.mkdir(parents=True, exist_ok=True)
-        for old in ("params", _PARTIAL_SAVES):
-            shutil.rmtree(self.path / old, ignore_errors=True)
+        # An earlier tree, or an interrupted write's saves (orbax would carry on with those).
+        for old in self.path.glob("params*"):
+            shutil.rmtree(old)
 
     def write(self, params: dict[str, Any]) -> None:
         """Saves some of the parameters (a nested or flat dict of arrays), each at most once."""
@@ -151,7 +162,7 @@ class CheckpointWriter:
             raise CheckpointError(f"parameters written twice to {self.path}: {again[:5]}")
         _check_shapes(got, {k: self._expected[k] for k in got if k in self._expected}, self.path)
         if flat:
-            orbax_partial.save(self.path / _PARTIAL_SAVES, {k: np.asarray(v) for k, v in flat.items()})
+            _orbax_partial().save(self.path / _PARTIAL_SAVES, {k: np.asarray(v) for k, v in flat.items()})
         self._written |= got.keys()
 
     def finish(self, tokenizer: Tokenizer | None = None) -> Path:
@@ -159,9 +170,13 @@ class CheckpointWriter:
         and tokenizer; returns the checkpoint's directory."""
         _check_shapes({k: self._expected[k] for k in self._written}, self._expected, self.path)
         saves = self.path / _PARTIAL_SAVES
-        orbax_partial.finalize(saves)
+        _orbax_partial().finalize(saves)
         # Orbax puts the tree in a subdirectory of its own naming: the one holding _METADATA.
-        (tree,) = [d for d in saves.iterdir() if (d / "_METADATA").is_file()]
+        trees = [d for d in saves.iterdir() if (d / "_METADATA").is_file()]
+        if len(trees) != 1:
+            raise CheckpointError(f"orbax's partial saves in {saves} hold {len(trees)} trees, not one: this "
+                                  "orbax-checkpoint lays them out otherwise than 0.12.8 (tested)")
+        (tree,) = trees
         (saves / _ORBAX_METADATA).rename(tree / _ORBAX_METADATA)
         tree.rename(self.path / "params")
         shutil.rmtree(saves)
