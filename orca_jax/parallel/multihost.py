@@ -7,7 +7,8 @@ How the processes meet:
    jax.devices() lists every process's devices, each process computing only on its own.
 2. Every process builds the same ModelRunner from the same flags. Stages are laid over the global
    device list, one stage on one process; a process holds parameters, KV arrays and a compiled
-   program only for the stages it owns.
+   program only for the stages it owns. That list holds each process's own devices, narrowed by its
+   `--local-device-ids`; every process learns the others' choice from the store (`job_devices`).
 3. Process 0, the leader, runs the scheduler and the server or offline API. The plans reach the
    followers through the key-value store of the coordination service that jax.distributed.initialize
    already runs (on the coordinator's port, inside process 0): no socket of ours, no port beyond
