@@ -141,7 +141,7 @@ def test_converting_holds_about_a_layer_not_the_model(source, request, tmp_path)
                                       f"{MODEL_BYTES / 2**20:.0f} MiB model ({LAYER_BYTES / 2**20:.1f} MiB a layer)")
     opened = open_model(tmp_path / "out")  # the whole model's shapes are there
     assert opened.config.n_layers == LAYERS and opened.config.dtype == "float32"
-    for i in (0, LAYERS - 1):
+    for i in (0, LAYERS - 1):  # (ffn_down: the GGUF's Q and K rows are not permuted as llama.cpp's are)
         np.testing.assert_array_equal(restored(tmp_path / "out", f"layers.{i}.mlp.down.kernel"),
                                       layer_tensors(i)[f"blk.{i}.ffn_down.weight"].T)
     shutil.rmtree(tmp_path / "out")
