@@ -201,7 +201,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     hosts.add_argument("--num-processes", type=int, default=_env_int("JAX_NUM_PROCESSES"))
     hosts.add_argument("--process-id", type=int, default=_env_int("JAX_PROCESS_ID"))
     hosts.add_argument("--local-device-ids", type=device_ids_arg, metavar="0,1",
-                       help="the accelerators this process takes, when several processes share a host")
+                       help="this process's devices, by their number on the host, when several processes of "
+                            "one job share a host (GPUs: jax makes only those visible)")
     hosts.add_argument("--step-timeout", type=float, default=60.0,
                        help="seconds the leader waits for a step from the other processes before failing")
 
@@ -215,6 +216,9 @@ def distributed_config(args: argparse.Namespace):
     """The multi-host settings, or None for a single process."""
     given = [args.coordinator_address, args.num_processes, args.process_id]
     if all(v is None for v in given):
+        if args.local_device_ids is not None:
+            raise ValueError("--local-device-ids picks a multi-host process's devices; one process takes all it "
+                             "sees: choose its GPUs with CUDA_VISIBLE_DEVICES=0,1 instead")
         return None
     if any(v is None for v in given):
         raise ValueError("multi-host needs all of --coordinator-address, --num-processes and --process-id "

@@ -34,6 +34,12 @@ def test_generate_with_the_tiny_model_from_args_and_stdin():
     assert ">>> 60 61\n62 63\n>>> 50 53\n56 59 62\n" in result.stdout  # stops at </s>
 
 
+def test_local_device_ids_of_a_single_process_name_the_fix():
+    tiny = str(REPO_ROOT / "checkpoints" / "tiny")
+    assert_one_error_line(orca_jax("generate", "--model", tiny, "--local-device-ids", "1", "3 5"),
+                          "--local-device-ids picks a multi-host process's devices", "CUDA_VISIBLE_DEVICES=0,1")
+
+
 def test_missing_model_explains_the_fix(tmp_path):
     for command in (["generate", "--model", str(tmp_path / "nothing"), "hi"],
                     ["serve", "--model", str(tmp_path / "nothing"), "--port", "0"]):

@@ -10,13 +10,14 @@ import time
 import zipfile
 from pathlib import Path
 
+from orca_jax.checkpoint.layout import model_parts, to_decoder_params
 from orca_jax.checkpoint.store import (
     PULL_SOURCES,
     CheckpointError,
+    CheckpointWriter,
     checkpoint_root,
     is_complete,
     resolve_checkpoint_dir,
-    save_checkpoint,
 )
 from orca_jax.config import ModelConfig, load_model_preset, load_toml, model_preset_names
 
@@ -24,35 +25,38 @@ from orca_jax.config import ModelConfig, load_model_preset, load_toml, model_pre
 def convert(source: str | Path, name: str, out_dir: str | Path | None = None) -> Path:
     """Imports a GGUF file or an HF safetensors folder into checkpoint_root()/name (or out_dir).
 
-    Writes into a temporary sibling first and renames at the end, so an interrupted conversion
-    never leaves a directory that looks like a complete checkpoint.
+    Goes one layer at a time (read, map, write, let go), so the process holds about one layer of the
+    model, not the whole of it: a model about as large as the host's memory converts. Writes into a
+    temporary sibling first and renames at the end, so an interrupted conversion never leaves a
+    directory that looks like a complete checkpoint.
     """
     source = Path(source)
     if not source.exists():
         raise CheckpointError(f"{source} does not exist; pass a .gguf file or a Hugging Face model folder")
     if source.is_file() and source.suffix == ".gguf":
-        from orca_jax.checkpoint.gguf_import import GGUFImportError, read_gguf
+        from orca_jax.checkpoint.gguf_import import GGUF_FILE, GGUFImportError, open_gguf
 
         try:
-            config, params, tokenizer = read_gguf(source, name)
+            imported = open_gguf(source, name)
         except GGUFImportError:
             raise
         except (OSError, ValueError, KeyError, IndexError) as e:
             # gguf's reader fails on a truncated or foreign file with whatever it tripped over.
             raise CheckpointError(f"cannot read {source} as a GGUF file: {e}") from e
     elif source.is_dir():
-        from orca_jax.checkpoint.hf_import import read_hf_folder
+        from orca_jax.checkpoint.hf_import import open_hf_folder
 
-        config, params, tokenizer = read_hf_folder(source, name)
+        imported = open_hf_folder(source, name)
     else:
         raise CheckpointError(f"{source} is neither a .gguf file nor a Hugging Face model folder")
     dest = Path(out_dir) if out_dir is not None else checkpoint_root() / name
     staging = dest.with_name(dest.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
-    save_checkpoint(staging, config, params, tokenizer)
+    writer = CheckpointWriter(staging, imported.config)
+    for part in model_parts(imported.config):
+        writer.write(to_decoder_params(imported.config, part, imported.read_part(part)))
+    writer.finish(imported.tokenizer)
     if source.is_file():
-        from orca_jax.checkpoint.gguf_import import GGUF_FILE
-
         # The file's own blocks, for `--quantization gguf` (the params above are dequantized).
         shutil.copyfile(source, staging / GGUF_FILE)
     shutil.rmtree(dest, ignore_errors=True)

@@ -21,7 +21,7 @@ import gguf
 import numpy as np
 
 from orca_jax.checkpoint.hf_families import split_fused_phi3
-from orca_jax.checkpoint.layout import to_decoder_params
+from orca_jax.checkpoint.layout import ImportedModel, Part, names_by_part
 from orca_jax.config import ModelConfig
 from orca_jax.tokenizer import Tokenizer, byte_level_bpe
 
@@ -61,8 +61,8 @@ def unpermute_llama_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def read_gguf(path: str | Path, name: str) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer | None]:
-    """Returns (config, flat decoder params, tokenizer) of the GGUF file at `path`."""
+def open_gguf(path: str | Path, name: str) -> ImportedModel:
+    """The model in the GGUF file at `path`, its tensors read a layer at a time (`ImportedModel.read_part`)."""
     reader = gguf.GGUFReader(str(path))
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -104,24 +104,34 @@ def read_gguf(path: str | Path, name: str) -> tuple[ModelConfig, dict[str, np.nd
         dtype=_weights_dtype(reader),
         **_family_switches(reader, arch, n_heads, d_model),
     )
-    tensors = {}
-    for tensor in reader.tensors:
-        if tensor.name == ROPE_FREQS:
-            continue  # in the config already
-        # GGUF lists dims innermost first; dequantize returns numpy in [out, in] order. F16 and BF16
-        # widen to float32 exactly, so narrowing back to the file's dtype (to_decoder_params) is lossless.
-        tensors[tensor.name] = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-    if arch == "llama":
-        for i in range(config.n_layers):
-            tensors[f"blk.{i}.attn_q.weight"] = unpermute_llama_qk(tensors[f"blk.{i}.attn_q.weight"], config.n_heads)
-            tensors[f"blk.{i}.attn_k.weight"] = unpermute_llama_qk(tensors[f"blk.{i}.attn_k.weight"], config.n_kv_heads)
-    if arch == "phi3":  # llama.cpp keeps Phi-3's [gate; up] rows as one ffn_up
-        for i in range(config.n_layers):
-            tensors[f"blk.{i}.ffn_gate_up.weight"] = tensors.pop(f"blk.{i}.ffn_up.weight")
-        split_fused_phi3(tensors, config)
-    params = to_decoder_params(config, tensors)
+    by_name = {t.name: t for t in reader.tensors if t.name != ROPE_FREQS}  # rope_freqs: in the config already
+    by_part = names_by_part(config, by_name)
+
+    def read_part(part: Part) -> dict[str, np.ndarray]:
+        tensors = {name: _read_tensor(path, by_name[name]) for name in by_part[part]}
+        if arch == "llama" and isinstance(part, int):
+            q, k = f"blk.{part}.attn_q.weight", f"blk.{part}.attn_k.weight"
+            if q in tensors and k in tensors:  # (a missing one is named when the layer is mapped)
+                tensors[q] = unpermute_llama_qk(tensors[q], config.n_heads)
+                tensors[k] = unpermute_llama_qk(tensors[k], config.n_kv_heads)
+        if arch == "phi3" and f"blk.{part}.ffn_up.weight" in tensors:  # llama.cpp keeps Phi-3's [gate; up] as one ffn_up
+            tensors[f"blk.{part}.ffn_gate_up.weight"] = tensors.pop(f"blk.{part}.ffn_up.weight")
+            split_fused_phi3(tensors, config)
+        return tensors
+
     tokenizer = _tokenizer(reader, path, config) if tokens is not None else None
-    return config, params, tokenizer
+    return ImportedModel(config, tokenizer, read_part)
+
+
+def _read_tensor(path: str | Path, tensor) -> np.ndarray:
+    """One tensor, dequantized, in [out, in] order (GGUF lists dims innermost first). F16 and BF16
+    widen to float32 exactly, so narrowing back to the file's dtype (to_decoder_params) is lossless.
+
+    Read from the file rather than through the reader's memory map: pages touched through a map
+    stay in this process's resident memory while the map lives, so a conversion would end up
+    holding the whole file; a read holds one tensor and frees it."""
+    raw = np.fromfile(path, dtype=tensor.data.dtype, count=tensor.data.size, offset=tensor.data_offset)
+    return gguf.quants.dequantize(raw.reshape(tensor.data.shape), tensor.tensor_type).astype(np.float32)
 
 
 def _family_switches(reader: gguf.GGUFReader, arch: str, n_heads: int, d_model: int) -> dict:

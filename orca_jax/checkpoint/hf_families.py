@@ -206,14 +206,15 @@ def _refuse_unsupported_fields(c: dict, model_type: str, config_file: Path) -> N
 
 def split_fused_phi3(tensors: dict[str, np.ndarray], config: ModelConfig) -> None:
     """Phi-3's qkv_proj rows are [q; k; v] and its gate_up_proj rows [gate; up] (its MLP chunks the
-    projection in that order); the common layout wants them apart."""
+    projection in that order); the common layout wants them apart. Splits the layers `tensors` holds."""
     q_rows, kv_rows = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-    for i in range(config.n_layers):
-        qkv = tensors.pop(f"blk.{i}.attn_qkv.weight")
+    for layer in sorted({name.split(".")[1] for name in tensors if name.endswith(".attn_qkv.weight")}):
+        qkv = tensors.pop(f"blk.{layer}.attn_qkv.weight")
         if qkv.shape[0] != q_rows + 2 * kv_rows:
-            raise HFImportError(f"layer {i}: qkv_proj has {qkv.shape[0]} rows, expected "
+            raise HFImportError(f"layer {layer}: qkv_proj has {qkv.shape[0]} rows, expected "
                                 f"{q_rows} + 2 x {kv_rows} from the head counts")
         for name, part in zip("qkv", np.split(qkv, [q_rows, q_rows + kv_rows])):
-            tensors[f"blk.{i}.attn_{name}.weight"] = part
-        gate, up = np.split(tensors.pop(f"blk.{i}.ffn_gate_up.weight"), 2)
-        tensors[f"blk.{i}.ffn_gate.weight"], tensors[f"blk.{i}.ffn_up.weight"] = gate, up
+            tensors[f"blk.{layer}.attn_{name}.weight"] = part
+    for layer in sorted({name.split(".")[1] for name in tensors if name.endswith(".ffn_gate_up.weight")}):
+        gate, up = np.split(tensors.pop(f"blk.{layer}.ffn_gate_up.weight"), 2)
+        tensors[f"blk.{layer}.ffn_gate.weight"], tensors[f"blk.{layer}.ffn_up.weight"] = gate, up

@@ -9,6 +9,7 @@ model is stored as bfloat16; which dtype it runs in is decided when it is loaded
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 from pathlib import Path
@@ -19,7 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from orca_jax.checkpoint.hf_families import (LLAMA_SHAPE_FAMILIES, NAMES, HFImportError, llama_shape_config,
                                              prepare_tensors, single_id)
-from orca_jax.checkpoint.layout import to_decoder_params
+from orca_jax.checkpoint.layout import ImportedModel, Part, names_by_part
 from orca_jax.config import ModelConfig
 from orca_jax.tokenizer import Tokenizer
 
@@ -44,7 +45,8 @@ GPT2_TRANSPOSED = re.compile(r"blk\.\d+\.(attn_qkv|attn_output|ffn_up|ffn_down)\
 IGNORED = re.compile(r".*(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
 
 
-def read_hf_folder(folder: str | Path, name: str) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer | None]:
+def open_hf_folder(folder: str | Path, name: str) -> ImportedModel:
+    """The model in an HF folder, its tensors read a layer at a time (`ImportedModel.read_part`)."""
     folder = Path(folder)
     config_file = folder / "config.json"
     if not config_file.is_file():
@@ -67,34 +69,56 @@ def read_hf_folder(folder: str | Path, name: str) -> tuple[ModelConfig, dict[str
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise HFImportError(f"{folder} has no *.safetensors files (PyTorch .bin files are not supported)")
-    tensors = {}
+    where: dict[str, tuple[Path, str]] = {}  # GGUF name -> (file, HF name), from the headers alone
+    matrix_dtypes = set()
     for file in files:
-        try:
-            reader = safe_open(file, framework="numpy")
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError, not an OSError
-            raise HFImportError(f"cannot read {file} as safetensors: {e}") from None
-        with reader as f:
+        with _open(file) as f:
             for hf_name in f.keys():
                 if IGNORED.match(hf_name):
                     continue
-                gguf_name = _rename(hf_name, names, file)
-                array = f.get_tensor(hf_name)
-                tensors[gguf_name] = array.T if GPT2_TRANSPOSED.fullmatch(gguf_name) and model_type == "gpt2" else array
-    prepare_tensors(tensors, config, model_type)
-    config = dataclasses.replace(config, dtype=_checkpoint_dtype(hf_config, tensors, config_file))
-    return config, to_decoder_params(config, tensors), _tokenizer(folder, config)
+                where[_rename(hf_name, names, file)] = (file, hf_name)
+                header = f.get_slice(hf_name)
+                if len(header.get_shape()) == 2:
+                    matrix_dtypes.add(SAFETENSORS_DTYPES.get(header.get_dtype(), header.get_dtype()))
+    config = dataclasses.replace(config, dtype=_checkpoint_dtype(hf_config, matrix_dtypes, config_file))
+    by_part = names_by_part(config, where)
+
+    def read_part(part: Part) -> dict[str, np.ndarray]:
+        tensors = {}
+        by_file = itertools.groupby(sorted(by_part[part], key=lambda n: where[n][0]), key=lambda n: where[n][0])
+        for file, gguf_names in by_file:
+            # Opened for each part: closing it unmaps the file, so the pages read leave this
+            # process's memory with the part instead of adding up to the whole model.
+            with _open(file) as f:
+                for gguf_name in gguf_names:
+                    array = f.get_tensor(where[gguf_name][1])
+                    transposed = model_type == "gpt2" and GPT2_TRANSPOSED.fullmatch(gguf_name)
+                    tensors[gguf_name] = array.T if transposed else array
+        prepare_tensors(tensors, config, model_type)
+        return tensors
+
+    return ImportedModel(config, _tokenizer(folder, config), read_part)
+
+
+def _open(file: Path):
+    try:
+        return safe_open(file, framework="numpy")
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError, not an OSError
+        raise HFImportError(f"cannot read {file} as safetensors: {e}") from None
 
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+# safetensors' dtype codes (in a file's header) by numpy's names; an unlisted code is reported as is.
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
-def _checkpoint_dtype(hf_config: dict, tensors: dict[str, np.ndarray], config_file: Path) -> str:
+def _checkpoint_dtype(hf_config: dict, matrix_dtypes: set[str], config_file: Path) -> str:
     """The dtype the checkpoint was saved in: `torch_dtype` (`dtype` in newer transformers), else the
     dtype of its weight matrices, else float32."""
     declared = hf_config.get("torch_dtype") or hf_config.get("dtype")
     if declared is None:
-        matrix_dtypes = {str(a.dtype) for a in tensors.values() if a.ndim == 2}
-        declared = matrix_dtypes.pop() if len(matrix_dtypes) == 1 else "float32"
+        declared = next(iter(matrix_dtypes)) if len(matrix_dtypes) == 1 else "float32"
     if declared not in SUPPORTED_DTYPES:
         raise HFImportError(f"{config_file}: weights in {declared} are not supported; supported: "
                             f"{list(SUPPORTED_DTYPES)}")
@@ -108,16 +132,6 @@ def _rename(hf_name: str, names: dict[str, str], file: Path) -> str:
             groups = match.groups()
             return target.format(i=groups[0] if groups and "{i}" in target else None, p=groups[-1] if groups else None)
     raise HFImportError(f"{file}: tensor {hf_name!r} is not part of the supported layout")
-
-
-
-
-
-
-
-
-
-
 
 
 def _gpt2_config(c: dict, name: str) -> ModelConfig:
@@ -138,8 +152,6 @@ def _gpt2_config(c: dict, name: str) -> ModelConfig:
         bos_token_id=single_id(c.get("bos_token_id")),
         eos_token_id=single_id(c.get("eos_token_id")),
     )
-
-
 
 
 def _tokenizer(folder: Path, config: ModelConfig) -> Tokenizer | None:

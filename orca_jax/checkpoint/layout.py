@@ -3,15 +3,20 @@
 Both importers (GGUF, HF safetensors) first bring their tensors to this one form, keyed by GGUF
 tensor names (`token_embd.weight`, `blk.0.attn_q.weight`, ...) with matrices stored [out, in] as
 PyTorch and GGUF do; `to_decoder_params` then transposes and reshapes them into the decoder's
-[in, out] kernels with explicit head axes. One mapping, so the two importers cannot disagree.
+[in, out] kernels with explicit head axes, one part of the model (a layer) at a time. One mapping,
+so the two importers cannot disagree.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Callable
 
 import ml_dtypes
 import numpy as np
 
 from orca_jax.config import ModelConfig
+from orca_jax.tokenizer import Tokenizer
 
 
 class WeightMappingError(ValueError):
@@ -23,10 +28,48 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
-def to_decoder_params(config: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Returns flat decoder params {"layers.0.attn.q.kernel": array} from GGUF-named tensors, all in
-    `config.dtype` (the checkpoint's own; tensors a checkpoint keeps wider, such as float32 norms in a
-    bfloat16 file, are narrowed to it as the model computes in one dtype)."""
+# An import goes part by part, one layer at a time, so it holds one layer of the model, never all of it:
+# "embed" (token and position embeddings), each layer by its index, then "head" (final norm, LM head).
+Part = str | int
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportedModel:
+    """A model file being imported: its config, its tokenizer, and its tensors, read one part at a time."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    read_part: Callable[[Part], dict[str, np.ndarray]]  # a part's tensors, GGUF-named, [out, in]
+
+
+def model_parts(config: ModelConfig) -> list[Part]:
+    return ["embed", *range(config.n_layers), "head"]
+
+
+def tensor_part(name: str) -> Part:
+    """The part a GGUF-named tensor belongs to (`blk.3.attn_q.weight` -> 3)."""
+    if name.startswith("blk."):
+        return int(name.split(".")[1])
+    return "embed" if name.startswith(("token_embd.", "position_embd.")) else "head"
+
+
+def names_by_part(config: ModelConfig, names) -> dict[Part, list[str]]:
+    """The tensor names of each part, every part present (a part's missing tensors are named when it
+    is mapped); a layer the config does not have is refused, never silently left out."""
+    by_part: dict[Part, list[str]] = {part: [] for part in model_parts(config)}
+    for name in names:
+        part = tensor_part(name)
+        if part not in by_part:
+            raise WeightMappingError(f"tensor {name!r} is for layer {part}, but the model has "
+                                     f"{config.n_layers} layers (0-{config.n_layers - 1})")
+        by_part[part].append(name)
+    return by_part
+
+
+def to_decoder_params(config: ModelConfig, part: Part, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Returns one part's flat decoder params {"layers.0.attn.q.kernel": array} from its GGUF-named
+    tensors, all in `config.dtype` (the checkpoint's own; tensors a checkpoint keeps wider, such as
+    float32 norms in a bfloat16 file, are narrowed to it as the model computes in one dtype)."""
     dtype = numpy_dtype(config.dtype)
     remaining = dict(tensors)
 
@@ -35,19 +78,27 @@ def to_decoder_params(config: ModelConfig, tensors: dict[str, np.ndarray]) -> di
             raise WeightMappingError(f"tensor {name!r} is missing from the checkpoint being imported")
         return np.asarray(remaining.pop(name), dtype=dtype)
 
-    d, h, k, dh = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
     gpt2 = config.architecture == "gpt2"
-    out: dict[str, np.ndarray] = {"embed.embedding": take("token_embd.weight")}
-    if gpt2:
-        out["pos_embed.embedding"] = take("position_embd.weight")
+    out: dict[str, np.ndarray] = {}
 
     def norm(dest: str, src: str) -> None:
         out[f"{dest}.scale"] = take(f"{src}.weight")
         if gpt2:
             out[f"{dest}.bias"] = take(f"{src}.bias")
 
-    for i in range(config.n_layers):
-        src, dest = f"blk.{i}", f"layers.{i}"
+    if part == "embed":
+        out["embed.embedding"] = take("token_embd.weight")
+        if gpt2:
+            out["pos_embed.embedding"] = take("position_embd.weight")
+    elif part == "head":
+        norm("final_norm", "output_norm")
+        if not config.tie_word_embeddings:
+            out["lm_head.embedding"] = take("output.weight")
+        elif "output.weight" in remaining:
+            remaining.pop("output.weight")  # a tied model may still ship a copy of the head
+    else:  # a layer
+        d, h, k, dh = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
+        src, dest = f"blk.{part}", f"layers.{part}"
         norm(f"{dest}.attn_norm", f"{src}.attn_norm")
         norm(f"{dest}.mlp_norm", f"{src}.ffn_norm")
         if config.post_norms:
@@ -72,17 +123,12 @@ def to_decoder_params(config: ModelConfig, tensors: dict[str, np.ndarray]) -> di
                 out[f"{dest}.attn.{p}.bias"] = biases[p].reshape(heads, dh)
         out[f"{dest}.attn.o.kernel"] = take(f"{src}.attn_output.weight").T.reshape(h, dh, d)
         mlp_parts = ("up", "down") if gpt2 else ("gate", "up", "down")
-        for part in mlp_parts:
-            out[f"{dest}.mlp.{part}.kernel"] = take(f"{src}.ffn_{part}.weight").T
+        for mlp_part in mlp_parts:
+            out[f"{dest}.mlp.{mlp_part}.kernel"] = take(f"{src}.ffn_{mlp_part}.weight").T
         if gpt2:
             out[f"{dest}.attn.o.bias"] = take(f"{src}.attn_output.bias")
-            for part in mlp_parts:
-                out[f"{dest}.mlp.{part}.bias"] = take(f"{src}.ffn_{part}.bias")
-    norm("final_norm", "output_norm")
-    if not config.tie_word_embeddings:
-        out["lm_head.embedding"] = take("output.weight")
-    elif "output.weight" in remaining:
-        remaining.pop("output.weight")  # a tied model may still ship a copy of the head
+            for mlp_part in mlp_parts:
+                out[f"{dest}.mlp.{mlp_part}.bias"] = take(f"{src}.ffn_{mlp_part}.bias")
     # Rotary caches and other non-parameters some exporters include.
     leftover = sorted(n for n in remaining if not n.endswith("rotary_emb.inv_freq"))
     if leftover:

@@ -110,18 +110,80 @@ def save_checkpoint(
     tokenizer: Tokenizer | None = None,
 ) -> Path:
     """Writes a checkpoint. `params` is a nested or flat dict of arrays matching `config`'s decoder."""
-    path = Path(path).resolve()
-    flat = flatten_params(params)
-    _check_against_config(flat, config, path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "model.toml").write_text(model_config_to_toml(config))
-    if (path / "params").exists():
-        shutil.rmtree(path / "params")
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(path / "params", {k: np.asarray(v) for k, v in flat.items()})
-    if tokenizer is not None:
-        tokenizer.save(path)
-    return path
+    writer = CheckpointWriter(path, config)
+    writer.write(params)
+    return writer.finish(tokenizer)
+
+
+# Orbax's partial saves gather here, inside the checkpoint directory being written.
+_PARTIAL_SAVES = "params.parts"
+
+
+def _orbax_partial():
+    """Orbax's partial saves, imported only to write: loading needs none, and older orbax versions
+    (a machine's preinstalled one) lack them."""
+    try:
+        from orbax.checkpoint.experimental.v1 import partial
+    except ImportError as e:
+        raise CheckpointError(f"writing a checkpoint needs orbax-checkpoint with partial saves (0.12.8 is "
+                              f"tested; this one has none: {e}); run `pip install -U orbax-checkpoint`") from None
+    return partial
+# What orbax writes beside a checkpoint's tree; kept inside `params/`, where a whole save puts it.
+_ORBAX_METADATA = "_CHECKPOINT_METADATA"
+
+
+class CheckpointWriter:
+    """Writes a checkpoint's parameters a few at a time, so an importer holds one layer of a model,
+    never the whole model (`orca-jax convert` of a model about as large as the host's memory).
+
+    Each `write` is an orbax partial save (`orbax.checkpoint.experimental.v1.partial`); `finish`
+    merges them into one orbax checkpoint `params/`, the tree a whole save writes, which
+    `open_model`, `load_model` and the sharded restore read like any other. Every parameter is
+    checked against the config's decoder as it comes, and `finish` names any never written.
+    """
+
+    def __init__(self, path: str | os.PathLike, config: ModelConfig):
+        self.path = Path(path).resolve()
+        self.config = config
+        template = flatten_params(nnx.to_pure_dict(nnx.state(abstract_decoder(config))))
+        self._expected = {k: tuple(v.shape) for k, v in template.items()}
+        self._written: set[str] = set()
+        self.path.mkdir(parents=True, exist_ok=True)
+        # An earlier tree, or an interrupted write's saves (orbax would carry on with those).
+        for old in self.path.glob("params*"):
+            shutil.rmtree(old)
+
+    def write(self, params: dict[str, Any]) -> None:
+        """Saves some of the parameters (a nested or flat dict of arrays), each at most once."""
+        flat = flatten_params(params)
+        got = {k: tuple(np.shape(v)) for k, v in flat.items()}
+        again = sorted(self._written & got.keys())
+        if again:
+            raise CheckpointError(f"parameters written twice to {self.path}: {again[:5]}")
+        _check_shapes(got, {k: self._expected[k] for k in got if k in self._expected}, self.path)
+        if flat:
+            _orbax_partial().save(self.path / _PARTIAL_SAVES, {k: np.asarray(v) for k, v in flat.items()})
+        self._written |= got.keys()
+
+    def finish(self, tokenizer: Tokenizer | None = None) -> Path:
+        """Checks every parameter was written, merges the saves into `params/`, adds the config
+        and tokenizer; returns the checkpoint's directory."""
+        _check_shapes({k: self._expected[k] for k in self._written}, self._expected, self.path)
+        saves = self.path / _PARTIAL_SAVES
+        _orbax_partial().finalize(saves)
+        # Orbax puts the tree in a subdirectory of its own naming: the one holding _METADATA.
+        trees = [d for d in saves.iterdir() if (d / "_METADATA").is_file()]
+        if len(trees) != 1:
+            raise CheckpointError(f"orbax's partial saves in {saves} hold {len(trees)} trees, not one: this "
+                                  "orbax-checkpoint lays them out otherwise than 0.12.8 (tested)")
+        (tree,) = trees
+        (saves / _ORBAX_METADATA).rename(tree / _ORBAX_METADATA)
+        tree.rename(self.path / "params")
+        shutil.rmtree(saves)
+        (self.path / "model.toml").write_text(model_config_to_toml(self.config))
+        if tokenizer is not None:
+            tokenizer.save(self.path)
+        return self.path
 
 
 def read_model_config(name_or_path: str | os.PathLike) -> ModelConfig:
@@ -222,11 +284,6 @@ def _unflatten(template: dict, flat: dict[str, Any], prefix: str = "") -> dict:
         key: _unflatten(value, flat, f"{prefix}{key}.") if isinstance(value, dict) else flat[f"{prefix}{key}"]
         for key, value in template.items()
     }
-
-
-def _check_against_config(flat: dict[str, Any], config: ModelConfig, where: Path) -> None:
-    expected = flatten_params(nnx.to_pure_dict(nnx.state(abstract_decoder(config))))
-    _check_shapes({k: tuple(np.shape(v)) for k, v in flat.items()}, {k: tuple(v.shape) for k, v in expected.items()}, where)
 
 
 def _check_shapes(got: dict[str, tuple], expected: dict[str, tuple], where: Path) -> None:

@@ -7,7 +7,8 @@ How the processes meet:
    jax.devices() lists every process's devices, each process computing only on its own.
 2. Every process builds the same ModelRunner from the same flags. Stages are laid over the global
    device list, one stage on one process; a process holds parameters, KV arrays and a compiled
-   program only for the stages it owns.
+   program only for the stages it owns. That list holds each process's own devices, narrowed by its
+   `--local-device-ids`; every process learns the others' choice from the store (`job_devices`).
 3. Process 0, the leader, runs the scheduler and the server or offline API. The plans reach the
    followers through the key-value store of the coordination service that jax.distributed.initialize
    already runs (on the coordinator's port, inside process 0): no socket of ours, no port beyond
@@ -107,6 +108,37 @@ def initialize(dist: DistributedConfig) -> None:
     jax.distributed.initialize(dist.coordinator_address, num_processes=dist.num_processes,
                                process_id=dist.process_id, initialization_timeout=int(dist.connect_timeout),
                                local_device_ids=None if dist.local_device_ids is None else list(dist.local_device_ids))
+
+
+def job_devices(dist: DistributedConfig) -> list:
+    """The job's devices in jax.devices() order: each process's own, narrowed to its
+    `local_device_ids` (their numbers on the host, as `local_hardware_id`; 0..n-1 on CPU).
+
+    On GPUs jax.distributed has already made only those visible (CUDA_VISIBLE_DEVICES's job), so a
+    process takes all the devices it sees; CPU devices are all visible, so the ids pick among them.
+    Every process puts its choice in the store and reads the others': all must lay the stages over
+    the same list, and only a process itself knows which of its devices it took."""
+    import jax
+
+    client = _client()
+    key = f"{_KEYS}/devices/{{}}"
+    mine = jax.local_devices()
+    if dist.local_device_ids is not None and mine[0].platform == "cpu":
+        by_number = {device.local_hardware_id: device for device in mine}
+        missing = [i for i in dist.local_device_ids if i not in by_number]
+        if missing:
+            client.key_value_set(key.format(dist.process_id), "none")  # the others stop too, not wait
+            raise ConfigError(f"--local-device-ids {','.join(map(str, dist.local_device_ids))}: process "
+                              f"{dist.process_id} has no device {missing[0]}; its cpu devices are {sorted(by_number)}")
+        mine = [by_number[i] for i in dist.local_device_ids]
+    client.key_value_set(key.format(dist.process_id), ",".join(str(device.id) for device in mine))
+    taken = set()
+    for process in range(dist.num_processes):
+        ids = client.blocking_key_value_get(key.format(process), int(dist.connect_timeout * 1000))
+        if ids == "none":
+            raise ConfigError(f"process {process} could not take its --local-device-ids (its error says why)")
+        taken |= {int(i) for i in ids.split(",")}
+    return [device for device in jax.devices() if device.id in taken]
 
 
 def _client():

@@ -26,7 +26,7 @@ from orca_jax.tokenizer import Tokenizer
 from orca_jax.model.decoder import abstract_decoder
 from orca_jax.parallel.memory_plan import plan_memory
 from orca_jax.parallel.plan_cli import resolve_model_config
-from orca_jax.parallel.multihost import DistributedConfig, PlanSender
+from orca_jax.parallel.multihost import DistributedConfig, PlanSender, job_devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +57,8 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
     """The runner, not yet warmed up (a follower process compiles its own stages' programs, then
     runs the leader's warm-up step as a plan). Returns (runner, loaded model, max_model_len)."""
     weights = None  # a given model's own arrays
+    if devices is None and distributed is not None:
+        devices = job_devices(distributed)
     if loaded is None:
         platform = devices[0].platform if devices else jax.default_backend()
         loaded = _load(config, options, platform, pull=distributed is None)

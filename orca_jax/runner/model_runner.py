@@ -283,7 +283,8 @@ class ModelRunner:
         settings = {"kv_dtype": self.kv_dtype.name, "attention_impl": self.attention_impl,
                     "matmul_precision": self.matmul_precision, "proposer": repr(self.proposer),
                     "quantization": self.quantization,
-                    "weights": "the model's arrays" if self.weights is None else self.weights.describe()}
+                    "weights": "the model's arrays" if self.weights is None else self.weights.describe(),
+                    "stage_devices": repr([[d.id for d in s.mesh.devices.flat] for s in self.stages])}
         for name, value in (("model", self.config), ("parallel", self.parallel), ("kv_layout", self.kv_layout),
                             ("buckets", self.buckets)):
             settings.update({f"{name}.{f.name}": repr(getattr(value, f.name)) for f in dataclasses.fields(value)})

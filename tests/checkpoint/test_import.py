@@ -359,3 +359,15 @@ def test_unsupported_sources_are_named(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"\0")
     with pytest.raises(Exception, match="neither a .gguf file nor"):
         convert(tmp_path / "weights.bin", "m", tmp_path / "out")
+
+
+def test_a_tensor_of_a_layer_the_config_lacks_is_refused(tmp_path):
+    """Import goes layer by layer over the config's layers: a tensor of any other layer would never be
+    read, so it is refused by name rather than dropped."""
+    config = load_model_preset("tiny")
+    write_hf_llama_folder(tmp_path / "hf", config, init_decoder(config, seed=5))
+    save_file({"model.layers.7.input_layernorm.weight": np.ones(config.d_model, np.float32)},
+              tmp_path / "hf" / "model-extra.safetensors")
+    with pytest.raises(ValueError, match="'blk.7.attn_norm.weight' is for layer 7, but the model has 2 layers"):
+        convert(tmp_path / "hf", "m", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from orca_jax.checkpoint.store import CheckpointError, flatten_params, load_model, save_checkpoint
+from orca_jax.checkpoint.store import CheckpointError, CheckpointWriter, flatten_params, load_model, save_checkpoint
 from orca_jax.config import load_model_preset
 from orca_jax.model.decoder import init_decoder
 
@@ -48,3 +48,24 @@ def test_save_rejects_params_of_another_shape(tmp_path):
     del params["final_norm.scale"]
     with pytest.raises(CheckpointError, match="missing.*final_norm.scale"):
         save_checkpoint(tmp_path / "ckpt", load_model_preset("tiny"), params)
+
+
+def test_the_writer_checks_each_write_and_a_new_save_starts_afresh(tmp_path):
+    """A converter writes a part at a time: every part is checked as it comes, `finish` names what
+    never came, and a save into the directory of an interrupted one does not carry its parts on."""
+    config = load_model_preset("tiny")
+    params = params_of(init_decoder(config, seed=4))
+    writer = CheckpointWriter(tmp_path / "ckpt", config)
+    writer.write({"embed.embedding": params["embed.embedding"]})
+    with pytest.raises(CheckpointError, match="written twice.*embed.embedding"):
+        writer.write({"embed.embedding": params["embed.embedding"]})
+    with pytest.raises(CheckpointError, match="unexpected.*layers.9.attn.q.kernel"):
+        writer.write({"layers.9.attn.q.kernel": params["layers.0.attn.q.kernel"]})
+    with pytest.raises(CheckpointError, match="wrong shapes.*final_norm.scale"):
+        writer.write({"final_norm.scale": np.ones(3, np.float32)})
+    with pytest.raises(CheckpointError, match="missing.*layers.0.attn.k.kernel"):
+        writer.finish()
+    save_checkpoint(tmp_path / "ckpt", config, params)  # over the interrupted one's saves
+    restored = params_of(load_model(tmp_path / "ckpt").model)
+    for name in params:
+        np.testing.assert_array_equal(restored[name], params[name], err_msg=name)

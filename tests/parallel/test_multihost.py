@@ -33,22 +33,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def orca_jax(*args: str, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("JAX_NUM_CPU_DEVICES", None)  # one CPU device per process: one stage each
+def orca_jax(*args: str, cpu_devices: int = 1, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(cpu_devices)}  # default: one stage each
     return subprocess.Popen([sys.executable, "-m", "orca_jax.cli", *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, **kwargs)
 
 
-def start_pair(generate_args: list[str], step_timeout: float = 60.0,
-               follower_flags: tuple[str, ...] = ()) -> tuple[subprocess.Popen, subprocess.Popen]:
+def start_pair(generate_args: list[str], step_timeout: float = 60.0, follower_flags: tuple[str, ...] = (),
+               cpu_devices: int = 1) -> tuple[subprocess.Popen, subprocess.Popen]:
     port = free_port()
     hosts = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2",
              "--step-timeout", str(step_timeout)]
     follower = orca_jax("generate", *ENGINE_FLAGS, "--pipeline-parallel-size", "2", *hosts, "--process-id", "1",
-                        *follower_flags)
+                        *follower_flags, cpu_devices=cpu_devices)
     leader = orca_jax("generate", *ENGINE_FLAGS, "--pipeline-parallel-size", "2", *hosts, "--process-id", "0",
-                      *generate_args)
+                      *generate_args, cpu_devices=cpu_devices)
     return leader, follower
 
 
@@ -185,6 +184,28 @@ def test_processes_started_with_different_flags_stop_with_both_settings():
         assert "different engine settings" in process_err
         assert "kv_layout.page_size: leader 16, process 1 8" in process_err, process_err[-2000:]
     assert ">>>" not in out
+
+
+def test_local_device_ids_pick_the_devices_each_process_computes_on(one_process_output):
+    """Two CPU devices in each process, each process taking its second: the two stages lie on those
+    (without the ids the job's first two devices, both the leader's, would take them)."""
+    take_second = ("--local-device-ids", "1")
+    leader, follower = start_pair(["--max-tokens", "12", *PROMPTS, *take_second], follower_flags=take_second,
+                                  cpu_devices=2)
+    code, out, err = finish(leader, 300)
+    follower_code, _, follower_err = finish(follower, 60)
+    assert code == 0, err[-3000:]
+    assert follower_code == 0, follower_err[-3000:]
+    assert "layers 0-0 on [1], layers 1-1 on [2049]" in err, err[-3000:]  # process 1's devices: 2048, 2049
+    assert out == one_process_output
+
+
+def test_a_local_device_id_a_process_lacks_stops_every_process():
+    leader, follower = start_pair(["--max-tokens", "4", *PROMPTS[:1]], follower_flags=("--local-device-ids", "5"))
+    code, _, err = finish(leader, 300)
+    follower_code, _, follower_err = finish(follower, 60)
+    assert follower_code == 2 and "process 1 has no device 5; its cpu devices are [0]" in follower_err, follower_err
+    assert code == 2 and "process 1 could not take its --local-device-ids" in err, err[-3000:]
 
 
 def wait_for_generation(leader: subprocess.Popen) -> None:
