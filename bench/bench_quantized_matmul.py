@@ -23,6 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# This checkout's packages, not whichever orca_jax the environment installed (a script's own folder
+# is on sys.path, the current directory is not).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_single_stream import copy_bandwidth, cpu_model  # noqa: E402
 
 from orca_jax.model.paged_attention import native_cache_dir  # noqa: E402
