@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -140,7 +141,11 @@ def main() -> None:
     reference = jax.jit(lambda *a: ragged_paged_attention_reference(*a, sm_scale=scale))
     tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-4
     copy_gbps = copy_bandwidth() / 1e9
-    print(f"{cpu_model()}; memory: a numpy copy moves {copy_gbps:.1f} GB/s (reads + writes, one thread)")
+    print(f"{cpu_model()}; memory: a numpy copy moves {copy_gbps:.1f} GB/s (reads + writes, one thread); "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    if backend == "cpu" and unavailable_reason(native_cache_dir()) is None:
+        print(f"native variants: {', '.join(native.supported_isas())}; {native.isa()} runs by default here "
+              f"(${native.ISA_ENV} forces a lower one)")
     rows = []
     for kind in args.batches:
         inputs = batch(kind, num_heads, num_kv_heads, head_dim, dtype)
@@ -162,7 +167,7 @@ def main() -> None:
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"backend": backend, "cpu": cpu_model(), "jax": jax.__version__, "shape": shape,
-                               "dtype": str(jnp.dtype(dtype)), "copy_gb_per_s": copy_gbps, "rows": rows},
+                               "dtype": str(jnp.dtype(dtype)), "copy_gb_per_s": copy_gbps, "load_average": os.getloadavg(), "rows": rows},
                               indent=2) + "\n")
     print(f"saved {out}")
 

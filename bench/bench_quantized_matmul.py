@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -87,12 +88,15 @@ def main() -> None:
     native_fn, xla_fn = program(qm.quantized_matmul_native, args.format), program(qm.quantized_matmul_xla, args.format)
     isas, rows = native.supported_isas(), []
     chosen = native.isa()
+    print(f"native variants timed: {', '.join(isas)}; the kernels run {chosen} by default here "
+          f"(${native.ISA_ENV} forces a lower one); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     for tokens in args.tokens:
         x = jnp.asarray(np.random.default_rng(tokens).standard_normal((tokens, 576)).astype(np.float32))
         row = {"tokens": tokens, "xla_ms": 1000 * best_of(xla_fn, (x, mats), args.repeat)}
         for isa in isas:
             native.select_isa(isa)
             row[f"{isa}_ms"] = 1000 * best_of(native_fn, (x, mats), args.repeat)
+            row[f"{isa}_gb_per_s"] = nbytes / row[f"{isa}_ms"] / 1e6
         native.select_isa(chosen)
         rows.append(row)
         cells = "  ".join(f"{isa} {row[f'{isa}_ms']:7.2f} ms ({nbytes / row[f'{isa}_ms'] / 1e6:5.1f} GB/s)" for isa in isas)
@@ -101,7 +105,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"cpu": cpu_model(), "format": args.format, "layers": args.layers,
                                     "weight_bytes": nbytes, "copy_bytes_per_s": bandwidth, "isas": list(isas),
-                                    "rows": rows}, indent=1))
+                                    "default_isa": chosen, "load_average": os.getloadavg(), "rows": rows}, indent=1))
     print(f"saved {args.out}")
 
 
