@@ -75,6 +75,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--isas", nargs="+", choices=native.ISAS, default=None,
+                        help="native variants to time (default: every one this CPU has)")
     parser.add_argument("--out", type=Path, default=RESULTS / "quantized_matmul_new.json")
     args = parser.parse_args()
     reason = native.unavailable_reason(native_cache_dir())
@@ -86,7 +88,7 @@ def main() -> None:
     print(f"{cpu_model()}; numpy copies {bandwidth / 1e9:.1f} GB/s; {args.format}, {args.layers} layers "
           f"({nbytes / 1e6:.1f} MB of weights)")
     native_fn, xla_fn = program(qm.quantized_matmul_native, args.format), program(qm.quantized_matmul_xla, args.format)
-    isas, rows = native.supported_isas(), []
+    isas, rows = tuple(i for i in native.supported_isas() if args.isas is None or i in args.isas), []
     chosen = native.isa()
     print(f"native variants timed: {', '.join(isas)}; the kernels run {chosen} by default here "
           f"(${native.ISA_ENV} forces a lower one); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
