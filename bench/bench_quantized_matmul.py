@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,6 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# This checkout's packages, not whichever orca_jax the environment installed (a script's own folder
+# is on sys.path, the current directory is not).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_single_stream import copy_bandwidth, cpu_model  # noqa: E402
 
 from orca_jax.model.paged_attention import native_cache_dir  # noqa: E402
@@ -71,6 +75,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--isas", nargs="+", choices=native.ISAS, default=None,
+                        help="native variants to time (default: every one this CPU has)")
     parser.add_argument("--out", type=Path, default=RESULTS / "quantized_matmul_new.json")
     args = parser.parse_args()
     reason = native.unavailable_reason(native_cache_dir())
@@ -82,14 +88,17 @@ def main() -> None:
     print(f"{cpu_model()}; numpy copies {bandwidth / 1e9:.1f} GB/s; {args.format}, {args.layers} layers "
           f"({nbytes / 1e6:.1f} MB of weights)")
     native_fn, xla_fn = program(qm.quantized_matmul_native, args.format), program(qm.quantized_matmul_xla, args.format)
-    isas, rows = native.supported_isas(), []
+    isas, rows = tuple(i for i in native.supported_isas() if args.isas is None or i in args.isas), []
     chosen = native.isa()
+    print(f"native variants timed: {', '.join(isas)}; the kernels run {chosen} by default here "
+          f"(${native.ISA_ENV} forces a lower one); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     for tokens in args.tokens:
         x = jnp.asarray(np.random.default_rng(tokens).standard_normal((tokens, 576)).astype(np.float32))
         row = {"tokens": tokens, "xla_ms": 1000 * best_of(xla_fn, (x, mats), args.repeat)}
         for isa in isas:
             native.select_isa(isa)
             row[f"{isa}_ms"] = 1000 * best_of(native_fn, (x, mats), args.repeat)
+            row[f"{isa}_gb_per_s"] = nbytes / row[f"{isa}_ms"] / 1e6
         native.select_isa(chosen)
         rows.append(row)
         cells = "  ".join(f"{isa} {row[f'{isa}_ms']:7.2f} ms ({nbytes / row[f'{isa}_ms'] / 1e6:5.1f} GB/s)" for isa in isas)
@@ -98,7 +107,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"cpu": cpu_model(), "format": args.format, "layers": args.layers,
                                     "weight_bytes": nbytes, "copy_bytes_per_s": bandwidth, "isas": list(isas),
-                                    "rows": rows}, indent=1))
+                                    "default_isa": chosen, "load_average": os.getloadavg(), "rows": rows}, indent=1))
     print(f"saved {args.out}")
 
 

@@ -11,13 +11,14 @@
 //
 // The arithmetic of one output element is fixed and independent of T, of the tiling and of the
 // instruction set (batch invariance, and the reference can replay it):
-//   w_lo, w_hi = dequantized block b (per weight: float(q) * d [+ m], two rounded f32 operations)
+//   w_lo, w_hi = dequantized block b (per weight: float(q) * d [+ m], as the reference rounds it)
 //   acc = acc + x_lo * w_lo;  acc = acc + x_hi * w_hi        (16 lanes, blocks in order, no FMA)
 //   out = halving tree over acc's lanes (8 + 8, 4 + 4, 2 + 2, 1 + 1) [* row scale for int8]
-// Hence no FMA contraction in this file (the pragma): the baseline variant has no FMA, and a fused
-// multiply-add rounds once where the reference rounds twice. The 16-float vectors (GCC vector
-// extensions) lower to one AVX-512 register, two AVX2 ones or four SSE ones with the same lane
-// arithmetic, so every variant gives the same bits.
+// Hence no FMA contraction in this file (the pragma): a fused x * w + acc rounds once where the
+// reference rounds twice. The one fused multiply-add written out is in dequantizing, where q * d is
+// exact in f32 (an 11-bit f16 scale times a small integer), so fusing changes no bit (the .inc file
+// says more). Each variant's 16-float vector (one AVX-512 register, two AVX2 ones, GCC's generic
+// vector on the baseline) does the same lane arithmetic, so every variant gives the same bits.
 
 #pragma GCC optimize("fp-contract=off")
 
