@@ -44,6 +44,8 @@ def test_greedy_draft_model_on_equals_off_every_policy(request, tiny_runner, tin
     assert stats_.num_draft_tokens > 50
     if which == "self":
         assert stats_.acceptance_rate == 1.0  # its own drafts: its KV pages hold what the target's do
+        # All k drafts at once (1-token pages): the slots its proposals write ahead were allocated.
+        assert max(len(s.draft_token_ids) for p in schedules for s in p.scheduled) == SPEC_TOKENS
     else:
         assert 0.1 < stats_.acceptance_rate < 0.9
     # Drafting requests shared steps with requests that verified none (prefills, decodes near their end);
