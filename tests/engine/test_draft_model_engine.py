@@ -160,3 +160,24 @@ def test_smollm2_drafting_for_itself_greedy_on_equals_off(smollm2_runner, smollm
         assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
         assert engine.drafts.stats.num_draft_tokens > 20 and engine.drafts.stats.acceptance_rate > 0.95
     assert smollm2_self_draft_runner.num_compilations_after_warmup == 0
+
+
+def test_llm_with_a_draft_model_checkpoint_halves_the_pages_and_keeps_the_outputs():
+    """Through the builder, as users build it: the draft model named by its checkpoint, its KV
+    pages beside the target's in the same budget (the tiny target drafting for itself: half the
+    pages each), greedy outputs equal speculation off."""
+    from orca_jax import LLM
+
+    limits = dict(max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory=1 << 20, show_progress=False)
+    prompts = [{"prompt_token_ids": p} for p in ([BOS, 3, 5, 7], [BOS, 2, 4], [BOS, 9, 12, 15, 18])]
+    off = LLM("tiny", **limits)
+    on = LLM("tiny", speculative_config={"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3},
+             **limits)
+    assert on.runner.num_pages == off.runner.num_pages // 2
+    assert "draft model tiny" in on.runner.describe()
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    expected = [o.outputs[0].token_ids for o in off.generate(prompts, params, use_tqdm=False)]
+    outputs = on.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert sum(o.metrics.num_accepted_tokens for o in outputs) > 10
+    assert on.num_compilations_after_warmup == 0
