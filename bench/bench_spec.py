@@ -83,7 +83,8 @@ def step_ms(llm: LLM, num_seqs: int, drafts_per_seq: int, context: int = 200, re
     `drafts_per_seq` drafts (1 + drafts rows): what the extra rows cost."""
     runner = llm.runner
     n = 1 + drafts_per_seq
-    pages = -(-(context + n + runner.kv_layout.num_speculative_tokens) // runner.page_size)  # + a draft model's lookahead
+    lookahead = runner.kv_layout.num_speculative_tokens  # slots a draft model writes ahead
+    pages = -(-(context + n + lookahead) // runner.page_size)
     num_tokens, _ = runner.buckets.pick(num_seqs * n, num_seqs)
     plan = padding_plan(num_tokens, runner.buckets.pick_rows(num_seqs * n), runner.kv_layout, runner.config.vocab_size)
     for seq in range(num_seqs):
@@ -128,7 +129,8 @@ def plot(results: dict, path: Path) -> None:
     titles = []
     for mode, cost in results["step_cost_ms"].items():
         steps.plot(range(len(cost["one_sequence"])), cost["one_sequence"], "o-", label=f"{mode}, 1 sequence")
-        titles.append(f"{mode}, 16 sequences: {cost['sixteen_sequences'][0]:.0f} / {cost['sixteen_sequences'][1]:.0f} ms")
+        without, with_drafts = cost["sixteen_sequences"]
+        titles.append(f"{mode}, 16 sequences: {without:.0f} / {with_drafts:.0f} ms")
     steps.set_xlabel("draft tokens verified per sequence (rows - 1)")
     steps.set_ylabel("step ms")
     steps.set_title("; ".join(titles) + " (0 / 4 drafts each)", fontsize=8)

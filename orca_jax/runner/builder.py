@@ -148,7 +148,8 @@ def pages_beside_draft(plan, proposer: DraftModelProposer, config: EngineConfig,
     tp = config.parallel.tensor_parallel_size
     draft = proposer.config
     itemsize = jnp.dtype(kv_page_dtype(config.cache.kv_cache_dtype, draft.dtype)).itemsize
-    draft_page = draft.n_layers * 2 * config.cache.page_size * (kv_heads_for_tp(draft, tp) // tp) * draft.head_dim * itemsize
+    heads_per_device = kv_heads_for_tp(draft, tp) // tp
+    draft_page = draft.n_layers * 2 * config.cache.page_size * heads_per_device * draft.head_dim * itemsize
     last = plan.stages[-1].kv_bytes_per_page
     num_pages = plan.num_pages * last // (last + draft_page)
     if num_pages * config.cache.page_size < max_model_len:

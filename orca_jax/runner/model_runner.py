@@ -151,8 +151,8 @@ class ModelRunner:
         are kept in `kv_cache_dtype` ("auto": the model's dtype). Every program is traced with
         `matmul_precision` (config.matmul_precision_for: "auto" is full precision for float32 models).
         `proposer`: speculative decoding's n-gram drafts (speculation.py) or draft model (draft_model.py,
-        run on the last stage's devices); `buckets` then need logit-row buckets (`with_draft_rows`). `weights` (a CheckpointWeights or DummyWeights): the model is
-        abstract (shapes only) and each stage's parameters come from it, straight into their
+        run on the last stage's devices); `buckets` then need logit-row buckets (`with_draft_rows`).
+        `weights` (a CheckpointWeights or DummyWeights): the model is abstract (shapes only) and each stage's parameters come from it, straight into their
         shardings; None: the model's own arrays are placed."""
         enable_compilation_cache()
         config = model.config
