@@ -3,6 +3,8 @@ speculation under every policy and at pp 2, batched with requests that verify no
 own KV pages stay right through preemption, abort and the prefix cache (a target drafting for itself
 has every greedy draft accepted); rejection sampling keeps the target's distribution (chi-square)."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ from scipy import stats
 
 from orca_jax.checkpoint.train_tiny import BOS
 from orca_jax.config import SpeculativeConfig
-from orca_jax.sampling_params import SamplingParams
+from orca_jax.sampling_params import SamplingParams, StructuredOutputsParams
 
 from ..conftest import SPEC_TOKENS
 from .conftest import SMOLLM2_LIMITS, TINY_LIMITS, make_engine, run_all
@@ -149,9 +151,17 @@ def test_rejection_sampling_against_a_draft_model_keeps_the_target_distribution(
 
 
 def test_smollm2_drafting_for_itself_greedy_on_equals_off(smollm2_runner, smollm2_self_draft_runner, smollm2):
+    """Acceptance ~100% (a draft that is the target); a json_schema request among them stays valid
+    (its drafts are cut to what its grammar allows, as with n-grams)."""
     tok = smollm2.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": text}])) for text in COPY_TASKS]
     requests = [(p, greedy(24)) for p in prompts] + [(tok.encode("The three laws of thermodynamics are"), greedy(12))]
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    ask = 'Write as JSON: {"name": "Ada", "age": 36}'
+    json_prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": ask}]))
+    requests.append((json_prompt, SamplingParams(temperature=0.0, max_tokens=30,
+                                                 structured_outputs=StructuredOutputsParams(json=schema))))
     for policy in ["chunked", "orca"]:
         off = run_all(make_engine(smollm2_runner, smollm2, policy, **SMOLLM2_LIMITS), requests)
         engine = make_engine(smollm2_self_draft_runner, smollm2, policy, **SMOLLM2_LIMITS,
@@ -159,6 +169,7 @@ def test_smollm2_drafting_for_itself_greedy_on_equals_off(smollm2_runner, smollm
         on = run_all(engine, requests)
         assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
         assert engine.drafts.stats.num_draft_tokens > 20 and engine.drafts.stats.acceptance_rate > 0.95
+        assert set(json.loads(on[-1].outputs[0].text)) == {"name", "age"} and on[-1].metrics.num_accepted_tokens > 0
     assert smollm2_self_draft_runner.num_compilations_after_warmup == 0
 
 
