@@ -166,7 +166,7 @@ class Scheduler:
             # continues in budget-sized pieces.
             num_new = min(request.num_uncomputed_tokens, budget)
             drafts = self._drafts(request, budget - num_new)
-            lookahead = self.drafts.lookahead if self.drafts is not None and request.num_uncomputed_tokens == 1 else 0
+            lookahead = self._lookahead(request)
             if (drafts or lookahead) and not self.kv.allocate(
                     request, request.num_computed_tokens + num_new + len(drafts) + lookahead):
                 drafts = []  # short of pages: drafts are the first thing to go, before any preemption
@@ -192,6 +192,14 @@ class Scheduler:
         if request.grammar is not None:  # only drafts the grammar allows: no violation can be accepted
             drafts = drafts[:request.grammar.valid_prefix(drafts)]
         return drafts
+
+    def _lookahead(self, request: Request) -> int:
+        """KV slots past the step that a decoding request's proposer writes (DraftPolicy.lookahead).
+        A reservation of prompt + max_tokens already holds every slot a draft that can still be
+        verified needs, so reserving policies allocate none."""
+        if self.drafts is None or self.reserves_whole_requests or request.num_uncomputed_tokens != 1:
+            return 0
+        return self.drafts.lookahead
 
     def _running_order(self) -> list[Request]:
         """The running requests in the order they claim the token budget: admission order, or with

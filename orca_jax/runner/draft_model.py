@@ -18,7 +18,8 @@ A step, all on the target's last pipeline stage (its mesh), after the target's l
    the same positions; equal up to the float rounding of a differently shaped batch).
 3. The target's head samples and verifies (speculation.py: exact match for greedy rows, rejection
    sampling against q otherwise).
-4. Proposal (`propose{R}`, per logit-row bucket, skipped when no sequence proposes): from the
+4. Proposal (`propose{R}x{S}`, per logit-row and sequence bucket, skipped when no sequence
+   proposes; S, not R, sets its cost: one sequence with k drafts has 1 + k rows): from the
    target's new token, k one-token decode steps of the draft for every proposing sequence, each
    writing its K/V at the next position and drawing the next draft (argmax for greedy requests, a
    draw from q = softmax(logits / temperature) keyed by seed and token index otherwise). These
@@ -27,7 +28,8 @@ A step, all on the target's last pipeline stage (its mesh), after the target's l
    request's pages (seq_num_slots) is not proposed.
 
 Like the target's, every program is compiled (or loaded from the executable store) at warm-up:
-|token buckets| + 2 x |row buckets| programs, and one missing after warm-up is counted.
+|token buckets| + |row buckets| + the (R, S) pairs a step can take (`propose_shapes`), and one
+missing after warm-up is counted.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ class DraftModelRunner:
         zeros = jax.jit(lambda: jnp.zeros(kv_shape, kv_dtype), out_shardings=kv_cache_sharding(mesh))
         self.kv_caches = [(zeros(), zeros()) for _ in range(config.n_layers)]
         attention = sharded_paged_attention(attention_impl, mesh)
-        self.executables: dict[tuple[str, int], Any] = {}
+        self.executables: dict[tuple[str, Any], Any] = {}
+        self._seq_rows: dict[int, jax.Array] = {}  # the propose programs' [S] sequence rows, per S
         self.warmed_up = False
         self.num_compilations_after_warmup = 0
 
@@ -105,8 +108,8 @@ class DraftModelRunner:
             return jax.lax.cond(needed, probs, lambda _: jnp.zeros((num_rows, config.vocab_size), jnp.float32),
                                 row_x)
 
-        def propose(params, kv_caches, tokens, accepted, sampling: SamplingMetadata, m: SpeculationMetadata):
-            return self._propose(nnx.merge(graphdef, params), attention, kv_caches, tokens, accepted, sampling, m)
+        def propose(params, kv_caches, seqs, tokens, accepted, sampling: SamplingMetadata, m: SpeculationMetadata):
+            return self._propose(nnx.merge(graphdef, params), attention, kv_caches, seqs, tokens, accepted, sampling, m)
 
         kv_sharding = kv_cache_sharding(mesh)
         self.programs = {
@@ -124,27 +127,45 @@ class DraftModelRunner:
             self.executables["catch_up", t] = self._compile("catch_up", t)
         for r in self.buckets.row_buckets:
             self.executables["q", r] = self._compile("q", r)
-            self.executables["propose", r] = self._compile("propose", r)
+        for shape in self.propose_shapes():
+            self.executables["propose", shape] = self._compile("propose", shape)
         self.warmed_up = True
 
-    def _compile(self, name: str, size: int):
+    def propose_shapes(self) -> list[tuple[int, int]]:
+        """Every (row bucket, sequence bucket) of a step: n sequences in bucket S have n to n(1 + k) rows."""
+        shapes, low = set(), 1
+        for s in self.buckets.seqs:
+            shapes |= {(self.buckets.pick_rows(rows), s)
+                       for n in range(low, s + 1) for rows in range(n, n * (1 + self.k) + 1)}
+            low = s + 1
+        return sorted(shapes)
+
+    def seq_rows(self, num_seqs: int) -> jax.Array:
+        if num_seqs not in self._seq_rows:
+            self._seq_rows[num_seqs] = jax.device_put(jnp.arange(num_seqs, dtype=jnp.int32), self.replicated)
+        return self._seq_rows[num_seqs]
+
+    def _compile(self, name: str, size):
         if name == "catch_up":
             (inputs,) = self._example_inputs("layers", size)
             placed = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated)  # noqa: E731
             args = (self.params, self.kv_caches, jax.tree.map(placed, inputs))
         else:
-            sampling, speculation = self._example_inputs("head", size)
+            rows, seqs = size if name == "propose" else (size, None)
+            sampling, speculation = self._example_inputs("head", rows)
             if name == "q":
                 row_x = jax.ShapeDtypeStruct((self.kv_layout.max_logit_rows, self.config.d_model),
                                              jnp.dtype(self.config.dtype), sharding=self.replicated)
                 args = (self.params, row_x, sampling.temperature, speculation.row_draft)
             else:
-                row = lambda dtype: jax.ShapeDtypeStruct((size,), dtype, sharding=self.replicated)  # noqa: E731
-                args = (self.params, self.kv_caches, row(jnp.int32), row(jnp.bool_), sampling, speculation)
+                row = lambda dtype: jax.ShapeDtypeStruct((rows,), dtype, sharding=self.replicated)  # noqa: E731
+                args = (self.params, self.kv_caches, self.seq_rows(seqs), row(jnp.int32), row(jnp.bool_), sampling,
+                        speculation)
         depends_on = repr((self.config, self.k, self.kv_layout))
-        return self._compile_program(f"draft-{name}{size}", args, depends_on, self.programs[name])
+        label = "x".join(map(str, size)) if name == "propose" else size
+        return self._compile_program(f"draft-{name}{label}", args, depends_on, self.programs[name])
 
-    def _program(self, name: str, size: int):
+    def _program(self, name: str, size):
         compiled = self.executables.get((name, size))
         if compiled is None:
             if self.warmed_up:
@@ -165,17 +186,19 @@ class DraftModelRunner:
         """Step 4: the next drafts of every proposing sequence, into the head's result."""
         if not plan.speculation.any_proposes:
             return result
-        drafts, num_drafts, self.kv_caches = self._program("propose", plan.bucket[1])(
-            self.params, self.kv_caches, result.sampled.tokens, result.accepted, sampling, speculation)
+        num_seqs = next(s for s in self.buckets.seqs if s >= len(plan.request_ids))
+        drafts, num_drafts, self.kv_caches = self._program("propose", (plan.bucket[1], num_seqs))(
+            self.params, self.kv_caches, self.seq_rows(num_seqs), result.sampled.tokens, result.accepted, sampling,
+            speculation)
         return SpeculativeOutput(sampled=result.sampled, accepted=result.accepted, drafts=drafts,
                                  num_drafts=num_drafts)
 
-    def _propose(self, stage: DecoderStage, attention, kv_caches, tokens, accepted, sampling: SamplingMetadata,
+    def _propose(self, stage: DecoderStage, attention, kv_caches, seqs, tokens, accepted, sampling: SamplingMetadata,
                  m: SpeculationMetadata):
+        """`seqs` [S]: the sequence rows 0..S-1 (the step's sequences, padded to their bucket)."""
         kv, k = self.kv_layout, self.k
         max_seqs, max_pages = m.block_tables.shape
-        num_seqs = min(tokens.shape[0], max_seqs)  # a sequence has at least one logit row
-        seqs = jnp.arange(num_seqs)
+        num_seqs = seqs.shape[0]
         num_accepted = jax.ops.segment_sum(accepted.astype(jnp.int32), m.row_seq, num_segments=max_seqs)[:num_seqs]
         new_row = jnp.minimum(m.seq_first_row[:num_seqs] + num_accepted, tokens.shape[0] - 1)  # drew the new token
         start = m.seq_history_len[:num_seqs] + num_accepted  # the new token's position
