@@ -170,7 +170,7 @@ class DraftModelRunner:
         if compiled is None:
             if self.warmed_up:
                 self.num_compilations_after_warmup += 1
-                log.warning("compiling the draft model's %s program of size %d after warm-up: a stall", name, size)
+                log.warning("compiling the draft model's %s program of shape %s after warm-up: a stall", name, size)
             compiled = self.executables[name, size] = self._compile(name, size)
         return compiled
 
