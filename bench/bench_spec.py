@@ -133,7 +133,7 @@ def plot(results: dict, path: Path) -> None:
         titles.append(f"{mode}, 16 sequences: {without:.0f} / {with_drafts:.0f} ms")
     steps.set_xlabel("draft tokens verified per sequence (rows - 1)")
     steps.set_ylabel("step ms")
-    steps.set_title("; ".join(titles) + " (0 / 4 drafts each)", fontsize=8)
+    steps.set_title("\n".join(titles) + " (0 / 4 drafts each)", fontsize=8)
     steps.legend()
     fig.suptitle(results["cpu"], fontsize=8)
     fig.tight_layout()

@@ -162,7 +162,7 @@ def test_smollm2_drafting_for_itself_greedy_on_equals_off(smollm2_runner, smollm
     json_prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": ask}]))
     requests.append((json_prompt, SamplingParams(temperature=0.0, max_tokens=30,
                                                  structured_outputs=StructuredOutputsParams(json=schema))))
-    for policy in ["chunked", "orca"]:
+    for policy in POLICIES:
         off = run_all(make_engine(smollm2_runner, smollm2, policy, **SMOLLM2_LIMITS), requests)
         engine = make_engine(smollm2_self_draft_runner, smollm2, policy, **SMOLLM2_LIMITS,
                              speculative_config=SPEC)
