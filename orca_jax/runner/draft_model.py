@@ -19,7 +19,8 @@ A step, all on the target's last pipeline stage (its mesh), after the target's l
 3. The target's head samples and verifies (speculation.py: exact match for greedy rows, rejection
    sampling against q otherwise).
 4. Proposal (`propose{R}x{S}`, per logit-row and sequence bucket, skipped when no sequence
-   proposes; S, not R, sets its cost: one sequence with k drafts has 1 + k rows): from the
+   proposes; S, not R, sets its cost: one sequence with k drafts has 1 + k rows, and S covers the
+   sequence rows up to the last that proposes): from the
    target's new token, k one-token decode steps of the draft for every proposing sequence, each
    writing its K/V at the next position and drawing the next draft (argmax for greedy requests, a
    draw from q = softmax(logits / temperature) keyed by seed and token index otherwise). These
@@ -28,8 +29,8 @@ A step, all on the target's last pipeline stage (its mesh), after the target's l
    request's pages (seq_num_slots) is not proposed.
 
 Like the target's, every program is compiled (or loaded from the executable store) at warm-up:
-|token buckets| + |row buckets| + the (R, S) pairs a step can take (`propose_shapes`), and one
-missing after warm-up is counted.
+|token buckets| + |row buckets| + the (R, S) pairs with S <= R (`propose_shapes`), and one missing
+after warm-up is counted.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -132,13 +134,9 @@ class DraftModelRunner:
         self.warmed_up = True
 
     def propose_shapes(self) -> list[tuple[int, int]]:
-        """Every (row bucket, sequence bucket) of a step: n sequences in bucket S have n to n(1 + k) rows."""
-        shapes, low = set(), 1
-        for s in self.buckets.seqs:
-            shapes |= {(self.buckets.pick_rows(rows), s)
-                       for n in range(low, s + 1) for rows in range(n, n * (1 + self.k) + 1)}
-            low = s + 1
-        return sorted(shapes)
+        """Every (row bucket R, sequence bucket S) of a step: its proposing sequences are among its
+        rows, so S <= R (rows of sequences that do not propose, such as prompt chunks, pad R only)."""
+        return [(r, s) for r in self.buckets.row_buckets for s in self.buckets.seqs if s <= r]
 
     def seq_rows(self, num_seqs: int) -> jax.Array:
         if num_seqs not in self._seq_rows:
@@ -186,7 +184,8 @@ class DraftModelRunner:
         """Step 4: the next drafts of every proposing sequence, into the head's result."""
         if not plan.speculation.any_proposes:
             return result
-        num_seqs = next(s for s in self.buckets.seqs if s >= len(plan.request_ids))
+        last_proposing = int(np.flatnonzero(plan.speculation.seq_proposes)[-1])
+        num_seqs = next(s for s in self.buckets.seqs if s > last_proposing)  # sequence rows 0..S-1
         drafts, num_drafts, self.kv_caches = self._program("propose", (plan.bucket[1], num_seqs))(
             self.params, self.kv_caches, self.seq_rows(num_seqs), result.sampled.tokens, result.accepted, sampling,
             speculation)
