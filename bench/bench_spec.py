@@ -1,14 +1,17 @@
-"""Speculative decoding: speculation off vs n-gram drafts, one stream and 16 at once, on a copy-heavy
-workload (answers that repeat their prompt) and on the `throughput` workload.
+"""Speculative decoding: speculation off vs n-gram drafts vs a draft model, one stream and 16 at
+once, on a copy-heavy workload (answers that repeat their prompt) and on the `throughput` workload.
 
-    python bench/bench_spec.py [--num-requests 9] [--throughput-requests 32] [--out bench/results/spec_new.json]
+    python bench/bench_spec.py [--num-requests 9] [--throughput-requests 32] [--draft-model NAME]
+                               [--modes off,ngram,draft_model] [--out bench/results/spec_new.json]
 
-Both engines run the same greedy requests (outputs must be identical, token for token; the JSON
-records whether they were); the figures are generated tok/s, the ratio ngram / off (within this
-run), the acceptance (drafts accepted / verified, mean tokens per verifying step), and the step-time
-cost of the extra rows (one decode with 0..k drafts, and 16 decodes with 0 or k drafts each, timed
-on the runner). Prints one line per case, saves the JSON and a plot beside it. The draft-model
-method is not implemented yet, so it has no column.
+Every engine runs the same greedy requests (outputs must be identical, token for token; the JSON
+records whether they were); the figures are generated tok/s, the ratio of each method to off
+(within this run), the acceptance (drafts accepted / verified, mean tokens per verifying step), and
+the step-time cost of the extra rows (one decode with 0..k drafts, and 16 decodes with 0 or k
+drafts each, timed on the runner, proposing included). The draft model defaults to the target
+itself (no smaller model with SmolLM2's tokenizer is at hand offline): its drafts are all accepted,
+but each costs a draft forward pass as dear as the target's, so it cannot be faster; it measures
+the method's overhead. Prints one line per case, saves the JSON and a plot beside it.
 """
 
 from __future__ import annotations
@@ -33,8 +36,13 @@ from orca_jax.engine.engine import LLMEngine  # noqa: E402
 from orca_jax.engine.step_plan import padding_plan  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODES = {"off": None, "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-                                "prompt_lookup_min": 2}}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def modes(draft_model: str, names: list[str]) -> dict:
+    every = {"off": None, "ngram": NGRAM,
+             "draft_model": {"method": "draft_model", "model": draft_model, "num_speculative_tokens": 4}}
+    return {name: every[name] for name in names}
 
 
 def cpu_name() -> str:
@@ -75,12 +83,19 @@ def step_ms(llm: LLM, num_seqs: int, drafts_per_seq: int, context: int = 200, re
     `drafts_per_seq` drafts (1 + drafts rows): what the extra rows cost."""
     runner = llm.runner
     n = 1 + drafts_per_seq
-    pages = -(-(context + n) // runner.page_size)
+    lookahead = runner.kv_layout.num_speculative_tokens  # slots a draft model writes ahead
+    pages = -(-(context + n + lookahead) // runner.page_size)
     num_tokens, _ = runner.buckets.pick(num_seqs * n, num_seqs)
     plan = padding_plan(num_tokens, runner.buckets.pick_rows(num_seqs * n), runner.kv_layout, runner.config.vocab_size)
     for seq in range(num_seqs):
         table = np.arange(seq * pages, (seq + 1) * pages)
         plan.block_tables[seq, :pages] = table
+        if plan.speculation is not None:  # the sequence samples and proposes, as a decoding request does
+            spec = plan.speculation
+            spec.row_first[seq * n:(seq + 1) * n], spec.row_seq[seq * n:(seq + 1) * n] = seq * n, seq
+            spec.seq_first_row[seq], spec.seq_history_len[seq] = seq * n, context + 1
+            spec.seq_proposes[seq], spec.seq_num_slots[seq] = True, pages * runner.page_size
+            spec.any_proposes = np.bool_(True)
         tokens = slice(seq * n, (seq + 1) * n)
         positions = np.arange(context, context + n)
         plan.positions[tokens] = positions
@@ -102,20 +117,23 @@ def plot(results: dict, path: Path) -> None:
 
     fig, (bars, steps) = plt.subplots(1, 2, figsize=(11, 4))
     cases = list(results["cases"])
-    width = 0.38
-    for i, mode in enumerate(MODES):
+    names = results["modes"]
+    width = 0.8 / len(names)
+    for i, mode in enumerate(names):
         values = [results["cases"][c][mode]["tokens_per_s"] for c in cases]
-        bars.bar(np.arange(len(cases)) + (i - 0.5) * width, values, width, label=f"speculation {mode}")
+        bars.bar(np.arange(len(cases)) + (i - (len(names) - 1) / 2) * width, values, width, label=f"speculation {mode}")
     bars.set_xticks(np.arange(len(cases)), [c.replace(", ", "\n") for c in cases], fontsize=8)
     bars.set_ylabel("generated tokens/s")
     bars.set_title("SmolLM2-135M f32, greedy")
     bars.legend()
-    cost = results["step_cost_ms"]
-    steps.plot(range(len(cost["one_sequence"])), cost["one_sequence"], "o-", label="1 sequence")
+    titles = []
+    for mode, cost in results["step_cost_ms"].items():
+        steps.plot(range(len(cost["one_sequence"])), cost["one_sequence"], "o-", label=f"{mode}, 1 sequence")
+        without, with_drafts = cost["sixteen_sequences"]
+        titles.append(f"{mode}, 16 sequences: {without:.0f} / {with_drafts:.0f} ms")
     steps.set_xlabel("draft tokens verified per sequence (rows - 1)")
     steps.set_ylabel("step ms")
-    steps.set_title(f"16 sequences: {cost['sixteen_sequences'][0]:.0f} ms without drafts, "
-                    f"{cost['sixteen_sequences'][1]:.0f} ms with 4 each", fontsize=9)
+    steps.set_title("\n".join(titles) + " (0 / 4 drafts each)", fontsize=8)
     steps.legend()
     fig.suptitle(results["cpu"], fontsize=8)
     fig.tight_layout()
@@ -129,35 +147,43 @@ def main() -> None:
     parser.add_argument("--throughput-requests", type=int, default=32, help="requests of the throughput workload")
     parser.add_argument("--out", type=Path, default=RESULTS / "spec_new.json",
                         help="default: a new file beside the committed spec.json")
+    parser.add_argument("--draft-model", default=None, help="draft_model's model (default: the target itself)")
+    parser.add_argument("--modes", default="off,ngram,draft_model", help="comma-separated; off always runs")
     args = parser.parse_args()
+    names = ["off"] + [m for m in args.modes.split(",") if m and m != "off"]
+    specs = modes(args.draft_model or args.model, names)
 
     llms = {mode: LLM(args.model, max_num_seqs=16, max_num_batched_tokens=512, speculative_config=spec,
-                      max_model_len=2048, show_progress=False) for mode, spec in MODES.items()}
+                      max_model_len=2048, show_progress=False) for mode, spec in specs.items()}
     tokenizer = llms["off"].tokenizer
     copy_heavy = copy_heavy_workload(tokenizer, args.num_requests)
     throughput = mixed_workload(tokenizer, args.throughput_requests)
     cases = {"copy-heavy, 1 stream": (copy_heavy, 1, False), "copy-heavy, 16 at once": (copy_heavy, 16, False),
              "throughput, 16 at once": (throughput, 16, True)}
-    results = {"cpu": cpu_name(), "jax": jax.__version__, "model": args.model, "dtype": "float32",
-               "speculative_config": MODES["ngram"], "cases": {}}
+    results = {"cpu": cpu_name(), "jax": jax.__version__, "model": args.model, "dtype": "float32", "modes": names,
+               "speculative_config": {m: spec for m, spec in specs.items() if spec}, "cases": {}}
     for case, (workload, concurrency, ignore_eos) in cases.items():
         figures, outputs = {}, {}
         for mode, llm in llms.items():
             figures[mode], outputs[mode] = run(llm, workload, concurrency, ignore_eos)
-        figures["ngram_over_off"] = figures["ngram"]["tokens_per_s"] / figures["off"]["tokens_per_s"]
-        figures["identical_outputs"] = outputs["ngram"] == outputs["off"]
+        line = f"{case:24s} off {figures['off']['tokens_per_s']:6.1f} tok/s"
+        for mode in names[1:]:
+            figures[f"{mode}_over_off"] = figures[mode]["tokens_per_s"] / figures["off"]["tokens_per_s"]
+            figures[f"{mode}_identical_outputs"] = outputs[mode] == outputs["off"]
+            f = figures[mode]
+            line += (f" | {mode} {f['tokens_per_s']:6.1f} tok/s ({figures[f'{mode}_over_off']:.2f}x), acceptance "
+                     f"{f['acceptance_rate']:.2f}, {f['mean_acceptance_length']:.2f} tokens/verifying step, identical: "
+                     f"{figures[f'{mode}_identical_outputs']}")
         results["cases"][case] = figures
-        ngram = figures["ngram"]
-        print(f"{case:24s} off {figures['off']['tokens_per_s']:6.1f} tok/s  ngram {ngram['tokens_per_s']:6.1f} tok/s "
-              f"({figures['ngram_over_off']:.2f}x)  acceptance {ngram['acceptance_rate']:.2f}, "
-              f"{ngram['mean_acceptance_length']:.2f} tokens per verifying step, identical: "
-              f"{figures['identical_outputs']}")
-    spec = llms["ngram"]
-    results["step_cost_ms"] = {"one_sequence": [step_ms(spec, 1, j) for j in range(5)],
-                               "sixteen_sequences": [step_ms(spec, 16, 0), step_ms(spec, 16, 4)]}
-    cost = results["step_cost_ms"]
-    print("step ms, 1 sequence with 0..4 drafts: " + ", ".join(f"{ms:.1f}" for ms in cost["one_sequence"])
-          + f"; 16 sequences with 0 / 4 drafts: {cost['sixteen_sequences'][0]:.1f} / {cost['sixteen_sequences'][1]:.1f}")
+        print(line, flush=True)
+    results["step_cost_ms"] = {}
+    for mode in names[1:]:
+        cost = results["step_cost_ms"][mode] = {"one_sequence": [step_ms(llms[mode], 1, j) for j in range(5)],
+                                                "sixteen_sequences": [step_ms(llms[mode], 16, 0),
+                                                                      step_ms(llms[mode], 16, 4)]}
+        print(f"{mode} step ms, 1 sequence with 0..4 drafts: " + ", ".join(f"{ms:.1f}" for ms in cost["one_sequence"])
+              + f"; 16 sequences with 0 / 4 drafts: {cost['sixteen_sequences'][0]:.1f} / "
+              f"{cost['sixteen_sequences'][1]:.1f}")
     print(f"compilations after warm-up: {[llm.num_compilations_after_warmup for llm in llms.values()]}")
     results["compilations_after_warmup"] = {mode: llm.num_compilations_after_warmup for mode, llm in llms.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -135,13 +135,13 @@ def spec_buckets(buckets, proposer):
     return dataclasses.replace(buckets, rows=(buckets.seqs[-1], buckets.seqs[-1] * (1 + proposer.num_speculative_tokens)))
 
 
-def warm_tiny_runner(tiny_trained, attention_impl, tp=1, pp=1, proposer=None):
+def warm_tiny_runner(tiny_trained, attention_impl, tp=1, pp=1, proposer=None, num_pages=160):
     from orca_jax.config import ParallelConfig
     from orca_jax.runner.model_runner import ModelRunner
     from orca_jax.engine.step_plan import Buckets
 
     buckets = Buckets(tokens=(16, 64), seqs=(4, 8))
-    runner = ModelRunner(tiny_trained.model, num_pages=160, page_size=4, max_model_len=128,
+    runner = ModelRunner(tiny_trained.model, num_pages=num_pages, page_size=4, max_model_len=128,
                          buckets=spec_buckets(buckets, proposer),
                          attention_impl=attention_impl,
                          parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp), proposer=proposer)
@@ -195,6 +195,59 @@ def tiny_spec_pp2_runner(tiny_trained):
 @pytest.fixture(scope="session")
 def smollm2_spec_runner(smollm2):
     return warm_smollm2_runner(smollm2, proposer=spec_proposer())
+
+
+# Draft-model speculation: the target drafting for itself (greedy drafts all pass: a check that the
+# draft's own KV pages stay right), and a draft that differs from the target in its weights and its
+# temperature (drafts pass and fail, greedy or sampled).
+def draft_proposer(name, loaded):
+    from orca_jax.runner.speculation import DraftModelProposer
+
+    return DraftModelProposer(SPEC_TOKENS, name, loaded.config, loaded.model)
+
+
+def perturbed_model(model, noise=0.3, logit_scale=0.5, seed=1):
+    """`model` with Gaussian noise (`noise` x each matrix's std) on its matrices and its final norm
+    scaled by `logit_scale`, which scales its logits: a temperature mismatch."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    leaves, tree = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    leaves = [x + noise * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype) if x.ndim >= 2 else x
+              for x, k in zip(leaves, keys)]
+    perturbed = nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
+    perturbed.final_norm.scale[...] = perturbed.final_norm.scale[...] * logit_scale
+    return perturbed
+
+
+@pytest.fixture(scope="session")
+def tiny_noisy_draft(tiny_trained):
+    import dataclasses
+
+    return dataclasses.replace(tiny_trained, model=perturbed_model(tiny_trained.model))
+
+
+@pytest.fixture(scope="session")
+def tiny_self_draft_runner(tiny_trained):
+    return warm_tiny_runner(tiny_trained, "xla", proposer=draft_proposer("tiny", tiny_trained))
+
+
+@pytest.fixture(scope="session")
+def tiny_noisy_draft_runner(tiny_trained, tiny_noisy_draft):
+    return warm_tiny_runner(tiny_trained, "xla", proposer=draft_proposer("noisy tiny", tiny_noisy_draft))
+
+
+@pytest.fixture(scope="session")
+def tiny_noisy_draft_pp2_runner(tiny_trained, tiny_noisy_draft):
+    return warm_tiny_runner(tiny_trained, "xla", pp=2, proposer=draft_proposer("noisy tiny", tiny_noisy_draft))
+
+
+@pytest.fixture(scope="session")
+def smollm2_self_draft_runner(smollm2):
+    return warm_smollm2_runner(smollm2, proposer=draft_proposer("smollm2-135m-instruct", smollm2))
 
 
 @pytest.fixture(scope="session")

@@ -2,11 +2,14 @@
 
 import argparse
 import json
+import shutil
 
 import pytest
 
 from orca_jax.cli import add_engine_args, engine_config
-from orca_jax.config import ConfigError, EngineConfig, SpeculativeConfig, from_dict, load_toml
+from orca_jax.config import DEFAULT_MODEL, ConfigError, EngineConfig, SpeculativeConfig, from_dict, load_toml
+
+from .conftest import REPO_ROOT
 
 
 def test_toml_table_and_flag_over_it(tmp_path):
@@ -40,12 +43,32 @@ def test_bad_configs_are_refused_naming_the_field(bad, field):
         engine_config(parser.parse_args(["--speculative-config", json.dumps(bad)]))
 
 
-def test_draft_model_is_refused_at_build_until_it_exists():
+def test_a_draft_model_with_another_vocabulary_is_refused_naming_both():
+    """Refused before any weight of the target is read: the draft's ids are not the target's."""
+    from orca_jax import LLM
+
+    with pytest.raises(ConfigError, match=r"speculative_config.model='tiny' \(tiny\) has a vocabulary of 66 tokens "
+                                          r"but the target smollm2-135m-instruct has 49152"):
+        LLM(DEFAULT_MODEL, speculative_config={"method": "draft_model", "model": "tiny"}, show_progress=False)
+
+
+def test_a_draft_model_with_another_tokenizer_of_the_same_size_is_refused(tmp_path):
+    from orca_jax.checkpoint.store import open_model
     from orca_jax.runner.builder import proposer_of
 
-    config = EngineConfig(speculative_config=SpeculativeConfig(method="draft_model", model="tiny"))
-    with pytest.raises(ConfigError, match="draft_model.*not implemented"):
-        proposer_of(config)
+    tiny = REPO_ROOT / "checkpoints" / "tiny"
+    other = tmp_path / "tiny-other-tokens"
+    shutil.copytree(tiny, other)
+    tokenizer = json.loads((tiny / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["3"], vocab["5"] = vocab["5"], vocab["3"]  # same tokens, two of them numbered the other way
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = EngineConfig(model=str(tiny), speculative_config=SpeculativeConfig(method="draft_model", model=str(other)))
+    with pytest.raises(ConfigError, match=r"speculative_config.model=.*tiny-other-tokens.* has another tokenizer than "
+                                          r"the target tiny .*\('3', 5\)"):
+        proposer_of(config, open_model(tiny))
+    same = EngineConfig(model=str(tiny), speculative_config=SpeculativeConfig(method="draft_model", model=str(tiny)))
+    assert proposer_of(same, open_model(tiny)).config.name == "tiny"
 
 
 def test_llm_takes_the_dict():

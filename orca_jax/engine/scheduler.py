@@ -35,7 +35,10 @@ them all and the other stages would idle).
 Speculative decoding (engine/speculation.py): a decoding request may also verify draft tokens the
 device proposed after its previous step; they extend its step (1 + k tokens, KV slots allocated
 for all of them) under the same token budget. After the step only the accepted drafts count as
-computed, and the pages that held nothing but rejected drafts are given back.
+computed, and the pages that held nothing but rejected drafts are given back. A draft model also
+writes K/V ahead while it proposes (DraftPolicy.lookahead slots): they are allocated with the
+step when pages allow, and given back with the rejected drafts' (a proposal that finds no slot is
+cut short on the device).
 """
 
 from __future__ import annotations
@@ -114,6 +117,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; static: the batch, finished members included
         self.num_preemptions = 0
+        self._num_decoding = 0  # requests decoding in the step being planned (_count_decoding)
 
     # ---- queue ---------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -162,7 +166,9 @@ class Scheduler:
             # continues in budget-sized pieces.
             num_new = min(request.num_uncomputed_tokens, budget)
             drafts = self._drafts(request, budget - num_new)
-            if drafts and not self.kv.allocate(request, request.num_computed_tokens + num_new + len(drafts)):
+            lookahead = self._lookahead(request)
+            if (drafts or lookahead) and not self.kv.allocate(
+                    request, request.num_computed_tokens + num_new + len(drafts) + lookahead):
                 drafts = []  # short of pages: drafts are the first thing to go, before any preemption
             if not self._allocate_or_preempt(request, num_new, out):
                 continue  # the request itself was preempted
@@ -186,6 +192,14 @@ class Scheduler:
         if request.grammar is not None:  # only drafts the grammar allows: no violation can be accepted
             drafts = drafts[:request.grammar.valid_prefix(drafts)]
         return drafts
+
+    def _lookahead(self, request: Request) -> int:
+        """KV slots past the step that a decoding request's proposer writes (DraftPolicy.lookahead).
+        A reservation of prompt + max_tokens already holds every slot a draft that can still be
+        verified needs, so reserving policies allocate none."""
+        if self.drafts is None or self.reserves_whole_requests or request.num_uncomputed_tokens != 1:
+            return 0
+        return self.drafts.lookahead
 
     def _running_order(self) -> list[Request]:
         """The running requests in the order they claim the token budget: admission order, or with
@@ -256,7 +270,7 @@ class Scheduler:
         self.running.append(request)
 
     def _plan(self, out: SchedulerOutput, request: Request, num_new: int, drafts: list[int] = ()) -> None:
-        proposes = self.drafts is not None
+        proposes = self.drafts is not None and self.drafts.proposes(self._num_decoding)
         out.scheduled.append(ScheduledRequest(request, num_new + len(drafts), request.num_computed_tokens,
                                               list(drafts), proposes))
 

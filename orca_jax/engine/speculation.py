@@ -57,6 +57,17 @@ class DraftPolicy:
         self.config = config
         self.stats = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
 
+    @property
+    def lookahead(self) -> int:
+        """KV slots past a step's tokens that the proposer writes while proposing: a draft model
+        decodes k tokens ahead (runner/draft_model.py); n-grams write none."""
+        return self.config.num_speculative_tokens if self.config.method == "draft_model" else 0
+
+    def proposes(self, num_decoding: int) -> bool:
+        """Whether the device should propose drafts after this step: a draft model's k decode steps
+        cost compute, so not while the batch is too large to verify any (n-grams cost nothing)."""
+        return self.config.method != "draft_model" or num_decoding < self.config.disable_by_batch_size
+
     def num_drafts(self, request: Request, num_decoding: int, budget: int, max_model_len: int) -> int:
         """Drafts `request` verifies in its next decode step, given `num_decoding` requests decoding
         in the engine and `budget` tokens left in the step."""

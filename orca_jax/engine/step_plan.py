@@ -158,13 +158,17 @@ class SpeculationArrays:
     seq_history_len: np.ndarray  # [S_max] int32: tokens before the drafts (prompt + accepted outputs)
     seq_proposes: np.ndarray  # [S_max] bool: propose drafts for this sequence's next step
     any_proposes: np.bool_
+    # [S_max] int32: KV slots the sequence's pages hold; a draft model writes its proposals' K/V
+    # ahead (runner/draft_model.py) and proposes no draft whose K/V would not fit
+    seq_num_slots: np.ndarray
 
     @classmethod
     def empty(cls, num_rows: int, max_num_seqs: int) -> "SpeculationArrays":
         return cls(row_draft=np.full(num_rows, -1, np.int32), row_first=np.arange(num_rows, dtype=np.int32),
                    row_seq=np.full(num_rows, max_num_seqs, np.int32),
                    seq_first_row=np.zeros(max_num_seqs, np.int32), seq_history_len=np.zeros(max_num_seqs, np.int32),
-                   seq_proposes=np.zeros(max_num_seqs, bool), any_proposes=np.bool_(False))
+                   seq_proposes=np.zeros(max_num_seqs, bool), any_proposes=np.bool_(False),
+                   seq_num_slots=np.zeros(max_num_seqs, np.int32))
 
 
 @dataclasses.dataclass
@@ -281,6 +285,7 @@ def build_step_plan(out: SchedulerOutput, buckets: Buckets, kv: KVLayout, vocab_
             spec.seq_first_row[seq] = r
             spec.seq_history_len[seq] = start + n - k
             spec.seq_proposes[seq] = planned.samples and planned.proposes
+            spec.seq_num_slots[seq] = len(table) * kv.page_size
         if planned.samples:
             plan.sample_rows.append((seq, r, drafts, request.params.logprobs))
         t += n

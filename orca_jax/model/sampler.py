@@ -92,22 +92,39 @@ def filter_logits(scaled: Float[Array, "S V"], m: SamplingMetadata) -> Float[Arr
     return jnp.where(scaled >= threshold, scaled, NEG_INF)
 
 
-def sample(logits: Float[Array, "S V"], m: SamplingMetadata) -> SamplerOutput:
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+def processed_logits(logits: Float[Array, "S V"], m: SamplingMetadata) -> Float[Array, "S V"]:
+    """The logits after bias, penalties, min_tokens stop suppression and the grammar bitmask: the
+    greedy choice is their argmax."""
     keep = lambda x, _: x  # noqa: E731 - the untaken branch of each optional stage
     logits = jax.lax.cond(m.use_logit_bias, apply_logit_bias, keep, logits, m)
     logits = jax.lax.cond(m.use_penalties, apply_penalties, keep, logits, m)
     is_stop = (jnp.arange(logits.shape[-1])[None, None, :] == m.stop_ids[:, :, None]).any(axis=1)  # [S, V]
     logits = jnp.where(m.suppress_stop[:, None] & is_stop, NEG_INF, logits)
-    logits = jax.lax.cond(m.use_bitmask, apply_token_bitmask, keep, logits, m)
+    return jax.lax.cond(m.use_bitmask, apply_token_bitmask, keep, logits, m)
+
+
+def scaled_logits(processed: Float[Array, "S V"], m: SamplingMetadata) -> Float[Array, "S V"]:
+    """Processed logits over the temperature, outside top-k / top-p / min-p masked: a random row
+    draws from their softmax (speculative decoding's rejection sampler reads it as the target's p)."""
+    temperature = jnp.where(m.temperature > 0, m.temperature, 1.0)[:, None]
+    scaled = processed / temperature
+    filtering = ((m.top_k > 0) | (m.top_p < 1.0) | (m.min_p > 0.0)).any()
+    return jax.lax.cond(filtering, filter_logits, lambda x, _: x, scaled, m)
+
+
+def draw_keys(seeds: UInt32[Array, " S"], token_index: Int[Array, " S"]) -> jax.Array:
+    """Each row's key: its request's seed and the index of the token being drawn, never the row."""
+    return jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed), index))(seeds, token_index)
+
+
+def sample(logits: Float[Array, "S V"], m: SamplingMetadata) -> SamplerOutput:
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logits = processed_logits(logits, m)
     greedy_tokens = jnp.argmax(logits, axis=-1)
 
     def draw(logits):
-        temperature = jnp.where(m.temperature > 0, m.temperature, 1.0)[:, None]
-        scaled = logits / temperature
-        filtering = ((m.top_k > 0) | (m.top_p < 1.0) | (m.min_p > 0.0)).any()
-        scaled = jax.lax.cond(filtering, filter_logits, lambda x, _: x, scaled, m)
-        keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed), index))(m.seeds, m.token_index)
+        scaled = scaled_logits(logits, m)
+        keys = draw_keys(m.seeds, m.token_index)
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
         return jnp.argmax(scaled + gumbel, axis=-1)  # Gumbel-max: an exact draw from softmax(scaled)
 

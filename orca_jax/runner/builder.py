@@ -12,15 +12,17 @@ import sys
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from orca_jax.checkpoint.convert import ensure_pulled
 from orca_jax.checkpoint.dummy import DummyWeights
 from orca_jax.checkpoint.store import (CheckpointWeights, LoadedModel, load_model, open_model, read_model_config,
                                        resolve_checkpoint_dir)
-from orca_jax.config import DEFAULT_CPU_KV_CACHE_MEMORY, ConfigError, EngineConfig, ModelConfig
+from orca_jax.config import DEFAULT_CPU_KV_CACHE_MEMORY, ConfigError, EngineConfig, ModelConfig, kv_page_dtype
+from orca_jax.parallel.layout import kv_heads_for_tp
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.runner.model_runner import ModelRunner
-from orca_jax.runner.speculation import NgramProposer
+from orca_jax.runner.speculation import DraftModelProposer, NgramProposer
 from orca_jax.engine.step_plan import Buckets
 from orca_jax.tokenizer import Tokenizer
 from orca_jax.model.decoder import abstract_decoder
@@ -93,27 +95,71 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
                        device_memory=device_memory, kv_cache_memory=kv_cache_memory,
                        kv_cache_dtype=cache.kv_cache_dtype, memory_utilization=cache.device_memory_utilization,
                        loaded_model=loaded.model if config.quantization != "none" else None)
-    runner = ModelRunner(loaded.model, num_pages=plan.num_pages, page_size=config.cache.page_size,
+    proposer = proposer_of(config, loaded)
+    num_pages = plan.num_pages
+    if isinstance(proposer, DraftModelProposer):
+        num_pages = pages_beside_draft(plan, proposer, config, max_model_len)
+    runner = ModelRunner(loaded.model, num_pages=num_pages, page_size=config.cache.page_size,
                          max_model_len=max_model_len, buckets=bucket_set(config, options),
                          attention_impl=config.attention_impl, parallel=config.parallel, devices=devices,
                          step_timeout=None if distributed is None else distributed.step_timeout,
                          kv_cache_dtype=config.cache.kv_cache_dtype, matmul_precision=config.matmul_precision,
-                         proposer=proposer_of(config), weights=weights, quantization=config.quantization)
+                         proposer=proposer, weights=weights, quantization=config.quantization)
     if options.show_progress:
         print(f"orca_jax: {model_config.name}, policy {config.scheduler.policy}, {runner.describe()}\n"
               f"{plan.one_line()}", file=sys.stderr)
     return runner, loaded, max_model_len
 
 
-def proposer_of(config: EngineConfig) -> NgramProposer | None:
-    """The device's draft proposer for the config's speculative decoding (None: none)."""
+def proposer_of(config: EngineConfig, target: LoadedModel) -> NgramProposer | DraftModelProposer | None:
+    """The device's draft proposer for the config's speculative decoding (None: none). A draft
+    model is loaded whole (it is small), in the target's dtype, and must share its tokenizer."""
     spec = config.speculative_config
     if spec is None:
         return None
-    if spec.method != "ngram":
-        raise ConfigError(f"speculative_config.method={spec.method!r} is not implemented yet; use 'ngram' "
-                          "(README, Speculative decoding)")
-    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "ngram":
+        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if config.load_format == "dummy":
+        raise ConfigError("speculative_config.method='draft_model' needs the target's real tokenizer and weights; "
+                          "use load_format='auto', or method 'ngram' with dummy weights")
+    draft = load_model(resolve_checkpoint_dir(spec.model), dtype=target.config.dtype)
+    check_same_tokenizer(spec.model, draft, target)
+    return DraftModelProposer(spec.num_speculative_tokens, spec.model, draft.config, draft.model)
+
+
+def check_same_tokenizer(name: str, draft: LoadedModel, target: LoadedModel) -> None:
+    """A draft model proposes token ids of the target's vocabulary: same size, same tokens."""
+    where = f"speculative_config.model={name!r} ({draft.config.name})"
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ConfigError(f"{where} has a vocabulary of {draft.config.vocab_size} tokens but the target "
+                          f"{target.config.name} has {target.config.vocab_size}: a draft model must share the "
+                          "target's tokenizer; pick a draft of the target's family")
+    if draft.tokenizer is None or target.tokenizer is None:
+        missing = draft.path if draft.tokenizer is None else target.path
+        raise ConfigError(f"{where}: {missing} has no tokenizer.json, so the draft's tokenizer cannot be checked "
+                          f"against the target {target.config.name}'s; give checkpoints with their tokenizers")
+    draft_vocab, target_vocab = (t.hf.get_vocab(with_added_tokens=True) for t in (draft.tokenizer, target.tokenizer))
+    if draft_vocab != target_vocab:
+        differ = sorted(set(draft_vocab.items()) ^ set(target_vocab.items()), key=lambda item: item[1])[:3]
+        raise ConfigError(f"{where} has another tokenizer than the target {target.config.name} (same size, different "
+                          f"tokens, e.g. {differ}): a draft model must share the target's tokenizer")
+
+
+def pages_beside_draft(plan, proposer: DraftModelProposer, config: EngineConfig, max_model_len: int) -> int:
+    """The page count when the last stage's KV budget holds the draft's pages too (same count, same
+    page size; the draft's parameters are small and left to the reserve)."""
+    tp = config.parallel.tensor_parallel_size
+    draft = proposer.config
+    itemsize = jnp.dtype(kv_page_dtype(config.cache.kv_cache_dtype, draft.dtype)).itemsize
+    heads_per_device = kv_heads_for_tp(draft, tp) // tp
+    draft_page = draft.n_layers * 2 * config.cache.page_size * heads_per_device * draft.head_dim * itemsize
+    last = plan.stages[-1].kv_bytes_per_page
+    num_pages = plan.num_pages * last // (last + draft_page)
+    if num_pages * config.cache.page_size < max_model_len:
+        raise ConfigError(f"with the draft model {proposer.name!r}'s KV pages beside the target's, the KV cache holds "
+                          f"{num_pages * config.cache.page_size} tokens, less than one sequence of max_model_len="
+                          f"{max_model_len}; give the KV cache more memory or lower max_model_len")
+    return num_pages
 
 
 def _load(config: EngineConfig, options: BuildOptions, platform: str, pull: bool) -> LoadedModel:

@@ -55,8 +55,9 @@ from orca_jax.sampling_params import MAX_LOGPROBS
 from orca_jax.parallel import kv_cache_sharding, param_shardings, stage_meshes
 from orca_jax.parallel.layout import check_parallel, kv_heads_for_tp, stage_layer_ranges
 from orca_jax.parallel.tensor_parallel import kv_projections_replicated, replicate_kv_heads, sharded_paged_attention
-from orca_jax.runner.speculation import (NgramProposer, SpeculationMetadata, SpeculativeOutput, verify_and_propose,
-                                         write_tokens)
+from orca_jax.runner.draft_model import DraftModelRunner
+from orca_jax.runner.speculation import (DraftModelProposer, NgramProposer, SpeculationMetadata, SpeculativeOutput,
+                                         verify_and_propose, write_tokens)
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class ModelRunner:
         executable_store: ExecutableStore | None = None,
         kv_cache_dtype: str = "auto",
         matmul_precision: str = "auto",
-        proposer: NgramProposer | None = None,
+        proposer: NgramProposer | DraftModelProposer | None = None,
         weights=None,
         quantization: str = "none",
     ):
@@ -154,12 +155,13 @@ class ModelRunner:
         programs are kept in `executable_store` (default: under $ORCA_JAX_COMPILATION_CACHE). KV pages
         are kept in `kv_cache_dtype` ("auto": the model's dtype). Every program is traced with
         `matmul_precision` (config.matmul_precision_for: "auto" is full precision for float32 models).
-        `proposer`: speculative decoding's n-gram drafts (speculation.py); `buckets` then need logit-row
-        buckets (`with_draft_rows`). `weights` (a CheckpointWeights or DummyWeights): the model is
-        abstract (shapes only) and each stage's parameters come from it, straight into their
-        shardings; None: the model's own arrays are placed. `quantization`: how the model's matrices
-        were quantized (config.QUANTIZATION_CHOICES; the model already holds them so), for the
-        layout settings and the start-up line."""
+        `proposer`: speculative decoding's n-gram drafts (speculation.py) or draft model (draft_model.py,
+        run on the last stage's devices); `buckets` then need logit-row buckets (`with_draft_rows`).
+        `weights` (a CheckpointWeights or DummyWeights): the model is abstract (shapes only) and each
+        stage's parameters come from it, straight into their shardings; None: the model's own arrays
+        are placed. `quantization`: how the model's matrices were quantized
+        (config.QUANTIZATION_CHOICES; the model already holds them so), for the layout settings and
+        the start-up line."""
         enable_compilation_cache()
         config = model.config
         check_parallel(config, parallel)
@@ -191,6 +193,7 @@ class ModelRunner:
         ranges = stage_layer_ranges(config.n_layers, parallel.pipeline_parallel_size)
         self.stages = [self._build_stage(i, model, ranges[i], meshes[i], kv_shape) for i in range(len(ranges))]
         self.multi_process = not all(stage.local for stage in self.stages)
+        self.drafter = self._build_drafter() if isinstance(proposer, DraftModelProposer) else None
         if self.stages[0].mesh.devices.flat[0].process_index != 0:
             raise ConfigError("the leader (process 0) must hold the first pipeline stage: give every process the "
                               "same number of devices")
@@ -243,19 +246,21 @@ class ModelRunner:
                 token_pages = write_tokens(token_pages, inputs.token_ids, inputs.attention.slot_mapping)
             return x, kv_caches, token_pages
 
-        def run_head(param_leaves, row_tokens, packed_sampling, packed_speculation, token_pages):
+        def run_head(param_leaves, row_tokens, packed_sampling, packed_speculation, token_pages, draft_probs):
             sampling: SamplingMetadata = packed_sampling.unpack()
             num_rows = sampling.temperature.shape[0]  # the row bucket: only its rows get logits
             head = nnx.merge(graphdef, jax.tree.unflatten(param_treedef, param_leaves))
-            sampled = sample(head.logits(row_tokens[:num_rows]), sampling)
+            logits = head.logits(row_tokens[:num_rows])
+            sampled = sample(logits, sampling)
             if packed_speculation is None:
                 return sampled
-            return verify_and_propose(self.proposer, token_pages, sampled, packed_speculation.unpack())
+            return verify_and_propose(self.proposer, token_pages, logits, sampled, sampling,
+                                      packed_speculation.unpack(), draft_probs)
 
         # Pinning output placements keeps the donated caches' sharding identical across steps, so a
         # step's outputs are always valid inputs of the next.
         token_pages = None
-        if last and self.proposer is not None:
+        if last and isinstance(self.proposer, NgramProposer):
             token_pages = jax.device_put(jnp.zeros(kv_shape[:2], jnp.int32), replicated)
         layers_program = jax.jit(run_layers, donate_argnums=(1, 2),
                                  out_shardings=(replicated, kv_sharding, None if token_pages is None else replicated))
@@ -264,6 +269,29 @@ class ModelRunner:
                      param_leaves=jax.tree.leaves(params),
                      kv_caches=[(zeros(), zeros()) for _ in layers], token_pages=token_pages,
                      layers_program=layers_program, head_program=head_program)
+
+    def _build_drafter(self) -> DraftModelRunner:
+        last = self.stages[-1]
+        if self.multi_process:
+            raise ConfigError("speculative_config.method='draft_model' runs on one process only; use method "
+                              "'ngram' across processes, or run every pipeline stage in one process")
+
+        def example_inputs(kind: str, size: int):
+            if kind == "layers":
+                return (StepInputs.of(padding_plan(size, self.buckets.row_buckets[0], self.kv_layout,
+                                                   self.config.vocab_size)),)
+            plan = padding_plan(self.buckets.tokens[0], size, self.kv_layout, self.config.vocab_size)
+            return self._sampling_metadata(plan, last).unpack(), self._speculation_metadata(plan, last).unpack()
+
+        def compile_program(name, args, depends_on, program):
+            return self.executable_store.load_or_compile(
+                name, args, repr((depends_on, self.attention_impl, self.matmul_precision)),
+                lambda: self.lower(program, args), jax.tree.structure(jax.eval_shape(program, *args)),
+                list(last.mesh.devices.flat))
+
+        return DraftModelRunner(self.proposer, last.mesh, last.replicated, self.kv_layout, self.buckets,
+                                self.attention_impl, self.kv_dtype, self.parallel.tensor_parallel_size,
+                                compile_program, example_inputs)
 
     @property
     def num_pages(self) -> int:
@@ -305,6 +333,8 @@ class ModelRunner:
         stages = ", ".join(f"layers {s.layers.start}-{s.layers.stop - 1} on {[d.id for d in s.mesh.devices.flat]}"
                            for s in self.stages)
         drafts = "" if self.proposer is None else f", n-gram drafts of up to {self.proposer.num_speculative_tokens}"
+        if self.drafter is not None:
+            drafts = f", {self.drafter.describe()}"
         weights = "" if self.weights is None else f"; weights: {self.weights.summary()}"
         quantized = "" if self.quantization == "none" else f", weights quantized ({self.quantization})"
         return (f"tp {tp} x pp {pp} ({stages}), attention {self.attention_impl}, KV pages {self.kv_dtype.name}"
@@ -336,6 +366,8 @@ class ModelRunner:
                      for r in self.buckets.row_buckets]
         for stage, name, size in tqdm(programs, desc="compiling", disable=not show_progress, leave=False):
             stage.executables[name, size] = self._compile(stage, name, size)
+        if self.drafter is not None:
+            self.drafter.compile_programs()
         self._warmed_up = True
 
     def _compile(self, stage: Stage, name: str, size: int):
@@ -350,8 +382,10 @@ class ModelRunner:
             plan = padding_plan(self.buckets.tokens[0], size, self.kv_layout, self.config.vocab_size)
             row_tokens = jax.ShapeDtypeStruct((self.kv_layout.max_logit_rows, self.config.d_model),
                                               jnp.dtype(self.config.dtype), sharding=stage.replicated)
+            draft_probs = None if self.drafter is None else jax.ShapeDtypeStruct(
+                (size, self.config.vocab_size), jnp.float32, sharding=stage.replicated)
             args = (stage.param_leaves, row_tokens, self._sampling_metadata(plan, stage),
-                    self._speculation_metadata(plan, stage), stage.token_pages)
+                    self._speculation_metadata(plan, stage), stage.token_pages, draft_probs)
             program = stage.head_program
             out_tree = jax.tree.structure(_result_shapes(size, self.kv_layout))
         return self.executable_store.load_or_compile(
@@ -378,7 +412,8 @@ class ModelRunner:
 
     @property
     def num_compilations_after_warmup(self) -> int:
-        return self._compilations_after_warmup
+        drafter = 0 if self.drafter is None else self.drafter.num_compilations_after_warmup
+        return self._compilations_after_warmup + drafter
 
     # ---- one step ------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> dict[str, StepTokens]:
@@ -456,8 +491,16 @@ class ModelRunner:
         x, stage.kv_caches, stage.token_pages = self._program(stage, "layers", num_tokens)(
             stage.param_leaves, stage.kv_caches, stage.token_pages, x, inputs)
         if stage.last:
-            x = self._program(stage, "head", num_rows)(stage.param_leaves, x, self._sampling_metadata(plan, stage),
-                                                       self._speculation_metadata(plan, stage), stage.token_pages)
+            sampling, speculation = self._sampling_metadata(plan, stage), self._speculation_metadata(plan, stage)
+            draft_probs = None
+            if self.drafter is not None:
+                # The draft model's programs take the step's arrays unpacked (sliced here, on the device).
+                draft_sampling, draft_speculation = sampling.unpack(), speculation.unpack()
+                draft_probs = self.drafter.catch_up(plan, inputs.unpack(), draft_sampling, draft_speculation)
+            x = self._program(stage, "head", num_rows)(stage.param_leaves, x, sampling, speculation, stage.token_pages,
+                                                       draft_probs)
+            if self.drafter is not None:
+                x = self.drafter.propose(plan, x, draft_sampling, draft_speculation)
         return x
 
     def _move(self, value, source: Stage, destination: NamedSharding, shapes):

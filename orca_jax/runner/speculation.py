@@ -16,6 +16,14 @@ removed, renormalised, which is the residual distribution (p - q)+ of Leviathan 
 output thus has the target's distribution exactly, and a seeded request gives the very tokens it
 gives without speculation, alone or batched. Greedy rows (argmax) are the exact-match special case.
 
+A draft model (runner/draft_model.py) proposes from a distribution q, not a point mass. Its rows at
+temperature > 0 are verified by true rejection sampling (Leviathan et al., as vLLM's rejection
+sampler): with u uniform, the draft d is accepted when u * q(d) < p(d) (probability min(1, p/q));
+otherwise the row's token is drawn from the residual norm(max(0, p - q)). p is the sampler's own
+final distribution at the row (processed, scaled and filtered logits), q the draft's at the same
+row, so every emitted token follows p. The uniform, the residual draw and the draft's own draw are
+keyed by (seed, token index) with distinct salts: seeded requests reproduce, batched or alone.
+
 Proposal (prompt lookup, vLLM's "ngram"). After verification each proposing sequence's history ends
 with its new token. The last n tokens (n from prompt_lookup_max down to prompt_lookup_min) are
 looked for earlier in the history; at the latest match of the longest n, the up to k tokens that
@@ -25,12 +33,17 @@ followed it are the next step's drafts.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Float, Int
 
-from orca_jax.model.sampler import SamplerOutput
+from orca_jax.model.sampler import SamplerOutput, SamplingMetadata, draw_keys, processed_logits, scaled_logits
+
+# Salts folded into a row's (seed, token index) key, so each use of randomness is independent of
+# the target's own draw and of the others.
+ACCEPT_SALT, RESIDUAL_SALT, DRAFT_SALT = 1, 2, 3
 
 
 @jax.tree_util.register_dataclass
@@ -45,6 +58,7 @@ class SpeculationMetadata:
     seq_history_len: Int[Array, " S_max"]
     seq_proposes: Bool[Array, " S_max"]
     any_proposes: Bool[Array, ""]
+    seq_num_slots: Int[Array, " S_max"]
     block_tables: Int[Array, "S_max P_seq"]
 
 
@@ -62,6 +76,50 @@ class NgramProposer:
     num_speculative_tokens: int  # k
     lookup_min: int
     lookup_max: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelProposer:
+    """Drafts from a draft model (runner/draft_model.py runs it); `model` is its Decoder."""
+
+    num_speculative_tokens: int  # k
+    name: str  # the preset name or checkpoint directory it came from
+    config: Any  # its ModelConfig
+    model: Any = dataclasses.field(repr=False, compare=False, default=None)
+
+
+def salted_keys(seeds: Int[Array, " R"], token_index: Int[Array, " R"], salt: int) -> jax.Array:
+    return jax.vmap(lambda key: jax.random.fold_in(key, salt))(draw_keys(seeds, token_index))
+
+
+def draft_scaled_logits(logits: Float[Array, "R V"], temperature: Float[Array, " R"]) -> Float[Array, "R V"]:
+    """The draft model's q = softmax of these: its logits over the request's temperature (no
+    filters: any q keeps rejection sampling exact). The draft draws from it and verification
+    reads it, so both use this one function."""
+    return logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+
+
+def rejection_sample(logits: Float[Array, "R V"], sampled: SamplerOutput, sampling: SamplingMetadata,
+                     m: SpeculationMetadata, draft_probs: Float[Array, "R V"]) -> SamplerOutput:
+    """Each row that checks a draft-model draft at temperature > 0 gets the draft when u * q(d) <
+    p(d), else a draw from norm(max(0, p - q)); other rows keep the sampler's token. Logprobs are
+    those of the raw model distribution at the row's new token, as the sampler reports them."""
+    rows = jnp.arange(logits.shape[0])
+    checks = (m.row_draft >= 0) & (sampling.temperature > 0)
+    draft = jnp.maximum(m.row_draft, 0)
+    p = jax.nn.softmax(scaled_logits(processed_logits(logits, sampling), sampling), axis=-1)
+    p_draft, q_draft = p[rows, draft], draft_probs[rows, draft]
+    u = jax.vmap(lambda key: jax.random.uniform(key))(salted_keys(sampling.seeds, sampling.token_index, ACCEPT_SALT))
+    accept = (q_draft > 0) & (u * q_draft < p_draft)
+    residual = jnp.maximum(p - draft_probs, 0.0)
+    # p == q leaves no residual (and then every draft is accepted); fall back to p to stay finite.
+    residual = jnp.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(
+        salted_keys(sampling.seeds, sampling.token_index, RESIDUAL_SALT))
+    recovered = jnp.argmax(jnp.log(residual) + gumbel, axis=-1)  # Gumbel-max: a draw from norm(residual)
+    tokens = jnp.where(checks, jnp.where(accept, draft, recovered), sampled.tokens).astype(jnp.int32)
+    logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    return dataclasses.replace(sampled, tokens=tokens, logprob=logprob)
 
 
 def write_tokens(token_pages: Int[Array, "P page"], token_ids: Int[Array, " T"],
@@ -108,13 +166,27 @@ def propose(proposer: NgramProposer, token_pages: Int[Array, "P page"], tokens: 
     return jnp.where(valid, drafts, -1).astype(jnp.int32), valid.sum(axis=1).astype(jnp.int32)
 
 
-def verify_and_propose(proposer: NgramProposer, token_pages, sampled: SamplerOutput,
-                       m: SpeculationMetadata) -> SpeculativeOutput:
-    accepted = accepted_rows(sampled.tokens, m)
+def no_drafts(num_seqs: int, k: int) -> tuple[Int[Array, "S K"], Int[Array, " S"]]:
+    return jnp.full((num_seqs, k), -1, jnp.int32), jnp.zeros(num_seqs, jnp.int32)
+
+
+def verify_and_propose(proposer: NgramProposer | DraftModelProposer, token_pages, logits: Float[Array, "R V"],
+                       sampled: SamplerOutput, sampling: SamplingMetadata, m: SpeculationMetadata,
+                       draft_probs: Float[Array, "R V"] | None) -> SpeculativeOutput:
+    """Verifies the step's drafts; with n-grams also proposes the next ones (a draft model's come
+    from its own program after this one: the drafts here are then none)."""
     num_seqs, k = m.block_tables.shape[0], proposer.num_speculative_tokens
+    if draft_probs is not None:
+        random_drafts = ((m.row_draft >= 0) & (sampling.temperature > 0)).any()
+        sampled = jax.lax.cond(random_drafts, lambda s: rejection_sample(logits, s, sampling, m, draft_probs),
+                               lambda s: s, sampled)
+    accepted = accepted_rows(sampled.tokens, m)
+    if isinstance(proposer, DraftModelProposer):
+        drafts, num_drafts = no_drafts(num_seqs, k)
+        return SpeculativeOutput(sampled=sampled, accepted=accepted, drafts=drafts, num_drafts=num_drafts)
 
     def no_proposals(*_):
-        return jnp.full((num_seqs, k), -1, jnp.int32), jnp.zeros(num_seqs, jnp.int32)
+        return no_drafts(num_seqs, k)
 
     drafts, num_drafts = jax.lax.cond(m.any_proposes, lambda *a: propose(proposer, *a), no_proposals,
                                       token_pages, sampled.tokens, accepted, m)
