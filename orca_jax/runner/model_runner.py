@@ -7,7 +7,10 @@ mesh. A step (`run_plan`) places the plan's arrays on every stage, runs the stag
 moves the activations [T, D] from one stage's mesh to the next with `jax.device_put`. Nothing
 waits: jax dispatches asynchronously, so while stage 1 computes step n, stage 0 can already run
 step n + 1 (the engine keeps up to `max_in_flight` = pp steps dispatched). `collect` copies back
-the step's one small result (sampled tokens).
+the step's one small result (sampled tokens). A step's many small host arrays (token ids, slots,
+block tables, sampling parameters) travel as one buffer per dtype (packing.py), and the programs
+take the parameters as leaves flattened once: at one sequence, host work per step was otherwise as
+long as several layers.
 
 Across processes (parallel/multihost.py) a stage lives on one process; each process builds only the
 stages it owns, the leader sends every plan to the followers before running it, and every process
