@@ -140,7 +140,8 @@ def check_same_tokenizer(name: str, draft: LoadedModel, target: LoadedModel) -> 
                           f"against the target {target.config.name}'s; give checkpoints with their tokenizers")
     draft_vocab, target_vocab = (t.hf.get_vocab(with_added_tokens=True) for t in (draft.tokenizer, target.tokenizer))
     if draft_vocab != target_vocab:
-        differ = sorted(set(draft_vocab.items()) ^ set(target_vocab.items()), key=lambda item: item[1])[:3]
+        # By id, then token: the same examples in every run (set order follows string hashing)
+        differ = sorted(set(draft_vocab.items()) ^ set(target_vocab.items()), key=lambda item: (item[1], item[0]))[:3]
         raise ConfigError(f"{where} has another tokenizer than the target {target.config.name} (same size, different "
                           f"tokens, e.g. {differ}): a draft model must share the target's tokenizer")
 
