@@ -91,29 +91,9 @@ inline float bf16_to_f32(uint16_t h) {
 
 // ---- the kernel, once per instruction set (ragged_paged_attention_kernel.inc) -------------------
 
-#if defined(__x86_64__)
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c,prefer-vector-width=512")
-namespace avx512 {
-#define ORCA_KERNEL_ISA 0
-#include "ragged_paged_attention_kernel.inc"
-#undef ORCA_KERNEL_ISA
-}  // namespace avx512
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-namespace avx2 {
-#define ORCA_KERNEL_ISA 1
-#include "ragged_paged_attention_kernel.inc"
-#undef ORCA_KERNEL_ISA
-}  // namespace avx2
-#pragma GCC pop_options
-#endif
-namespace base {
-#define ORCA_KERNEL_ISA 2
-#include "ragged_paged_attention_kernel.inc"
-#undef ORCA_KERNEL_ISA
-}  // namespace base
+#define ORCA_KERNEL_FILE "ragged_paged_attention_kernel.inc"
+#include "per_isa.h"
+#undef ORCA_KERNEL_FILE
 
 using ItemFn = void (*)(const Problem&, const Item&);
 
