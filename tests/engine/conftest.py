@@ -33,6 +33,21 @@ def run_all(engine, requests):
     return [done[i] for i in ids]
 
 
+def speculating_equals_plain(plain_runner, spec_runner, loaded, policy, requests, speculative_config, limits):
+    """Runs `requests` without speculation and with it; asserts every output (tokens and finish
+    reason) is the same. Returns the speculating engine and the schedules it ran."""
+    from .mock_runner import record_schedules
+
+    off = run_all(make_engine(plain_runner, loaded, policy, **limits), requests)
+    engine = make_engine(spec_runner, loaded, policy, **limits, speculative_config=speculative_config)
+    schedules = record_schedules(engine)
+    on = run_all(engine, requests)
+    for a, b in zip(off, on, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].finish_reason == a.outputs[0].finish_reason
+    return engine, schedules
+
+
 # What batching guarantees (README, "Batch invariance"). The XLA:CPU matmul sums its products in an
 # order that depends on how many rows a call has, so a request's numbers differ with the batch it
 # rides in by rounding: float32 logprobs moved by at most 4.3e-5 nats on SmolLM2 (measured), which

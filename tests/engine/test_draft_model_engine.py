@@ -16,8 +16,7 @@ from orca_jax.config import SpeculativeConfig
 from orca_jax.sampling_params import SamplingParams, StructuredOutputsParams
 
 from ..conftest import SPEC_TOKENS
-from .conftest import SMOLLM2_LIMITS, TINY_LIMITS, make_engine, run_all
-from .mock_runner import record_schedules
+from .conftest import SMOLLM2_LIMITS, TINY_LIMITS, make_engine, run_all, speculating_equals_plain
 from .test_engine_tiny import POLICIES
 from .test_speculative_engine import COPY_TASKS, greedy, tiny_requests
 
@@ -34,14 +33,8 @@ def draft_runner(request, which):
 @pytest.mark.parametrize("which", ["self", "noisy"])
 def test_greedy_draft_model_on_equals_off_every_policy(request, tiny_runner, tiny_trained, policy, which):
     runner = draft_runner(request, which)
-    requests = tiny_requests("greedy")
-    off = run_all(make_engine(tiny_runner, tiny_trained, policy, **TINY_LIMITS), requests)
-    engine = make_engine(runner, tiny_trained, policy, **TINY_LIMITS, speculative_config=SPEC)
-    schedules = record_schedules(engine)
-    on = run_all(engine, requests)
-    for a, b in zip(off, on):
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids
-        assert b.outputs[0].finish_reason == a.outputs[0].finish_reason
+    engine, schedules = speculating_equals_plain(tiny_runner, runner, tiny_trained, policy, tiny_requests("greedy"),
+                                                 SPEC, TINY_LIMITS)
     stats_ = engine.drafts.stats
     assert stats_.num_draft_tokens > 50
     if which == "self":

@@ -14,8 +14,7 @@ from orca_jax.config import SpeculativeConfig
 from orca_jax.sampling_params import SamplingParams, StructuredOutputsParams
 
 from ..conftest import SPEC_TOKENS
-from .conftest import SMOLLM2_LIMITS, TINY_LIMITS, make_engine, run_all
-from .mock_runner import record_schedules
+from .conftest import SMOLLM2_LIMITS, TINY_LIMITS, make_engine, run_all, speculating_equals_plain
 from .test_engine_tiny import POLICIES, workload
 
 # Drafts at any batch size: the tests check outputs, not the speed policy.
@@ -41,14 +40,8 @@ def tiny_requests(sampling):
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_speculation_on_equals_off_every_policy(tiny_runner, tiny_spec_runner, tiny_trained, policy, sampling):
-    requests = tiny_requests(sampling)
-    off = run_all(make_engine(tiny_runner, tiny_trained, policy, **TINY_LIMITS), requests)
-    engine = make_engine(tiny_spec_runner, tiny_trained, policy, **TINY_LIMITS, speculative_config=SPEC)
-    schedules = record_schedules(engine)
-    on = run_all(engine, requests)
-    for a, b in zip(off, on):
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids
-        assert b.outputs[0].finish_reason == a.outputs[0].finish_reason
+    engine, schedules = speculating_equals_plain(tiny_runner, tiny_spec_runner, tiny_trained, policy,
+                                                 tiny_requests(sampling), SPEC, TINY_LIMITS)
     assert engine.drafts.stats.num_draft_tokens > 0
     # Drafting requests shared steps with requests that verified none (prefills, plain decodes).
     assert any(p.num_draft_tokens and any(not s.draft_token_ids for s in p.scheduled) for p in schedules)
