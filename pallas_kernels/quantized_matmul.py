@@ -15,8 +15,9 @@ Implementations behind the one contract (`quantized_matmul`):
 
 - `native`: the C++ kernel (cpu/quantized_matmul.cc) through jax.ffi, in the one native library
   (pallas_kernels.native: built once, AVX-512 / AVX2 / baseline variants chosen at load, forceable).
-  It dequantizes each block in registers and accumulates in f32 in an order fixed per output
-  element (the .cc file states it), the same for every T and every variant: batch-invariant.
+  It dequantizes each block in registers and accumulates in f32 by fused multiply-adds in an
+  order fixed per output element (the .cc file states it), the same for every T and every variant:
+  batch-invariant.
 - `xla`: dequantize to f32, then one dot at HIGHEST precision: what runs on GPU (and on a CPU
   without the native library). Its summation order is XLA's, so it matches the reference to f32
   rounding, not bit for bit.
@@ -93,11 +94,30 @@ def dequantize_reference(format: str, weights: np.ndarray, scales: np.ndarray | 
     return w * np.asarray(scales, np.float32)[:, None] if format == "int8" else w
 
 
+def fma_f32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """a * b + c rounded once to f32 (what a fused multiply-add instruction gives), for f32 arrays.
+    The product is exact in f64 (24 + 24 bits) and TwoSum gives the f64 sum's exact error, so the
+    only case where rounding that sum to f32 differs from rounding the exact value is a sum lying
+    exactly halfway between two f32 with a nonzero error: the error's sign then picks the side."""
+    product = a.astype(np.float64) * b.astype(np.float64)
+    addend = c.astype(np.float64)
+    total = product + addend
+    back = total - product
+    error = (product - (total - back)) + (addend - back)  # total + error == product + addend exactly
+    rounded = total.astype(np.float32)
+    toward = np.nextafter(rounded, np.where(total > rounded, np.float32(np.inf), np.float32(-np.inf)))
+    halfway = (error != 0) & (total != rounded) & (2 * total == rounded.astype(np.float64) + toward)
+    # At a tie, the exact value lies past `total` on the error's side: take the neighbour there.
+    past_rounded = np.sign(error) == np.sign(total - rounded.astype(np.float64))
+    return np.where(halfway & past_rounded, toward, rounded)
+
+
 def quantized_matmul_reference(x: np.ndarray, format: str, weights: np.ndarray,
                                scales: np.ndarray | None = None) -> np.ndarray:
     """out [T, out] computed with the native kernel's f32 operations in its order: per output
-    element, 16 lane sums over the blocks in order (acc + x_lo * w_lo, then + x_hi * w_hi, each
-    product and sum rounded to f32), then a halving tree over the lanes, then the int8 row scale."""
+    element, 16 lane sums over the blocks in order (acc = fma(x_lo, w_lo, acc), then
+    fma(x_hi, w_hi, acc), each rounded once to f32), then a halving tree over the lanes, then the int8
+    row scale."""
     x = np.asarray(x, np.float32)
     weights = np.asarray(weights)
     check_weights(format, weights.shape, x.shape[1], None if scales is None else np.shape(scales))
@@ -105,8 +125,9 @@ def quantized_matmul_reference(x: np.ndarray, format: str, weights: np.ndarray,
     xb = x.reshape(x.shape[0], -1, BLOCK)  # [T, B, 32]
     acc = np.zeros((x.shape[0], w.shape[0], LANES), np.float32)
     for b in range(w.shape[1]):
-        acc = acc + xb[:, None, b, :LANES] * w[None, :, b, :LANES]
-        acc = acc + xb[:, None, b, LANES:] * w[None, :, b, LANES:]
+        for half in (slice(0, LANES), slice(LANES, BLOCK)):
+            x_half, w_half = np.broadcast_arrays(xb[:, None, b, half], w[None, :, b, half])
+            acc = fma_f32(x_half, w_half, acc)
     width = LANES
     while width > 1:
         width //= 2

@@ -7,24 +7,28 @@
 // minimum for Q4_1, then 16 bytes of nibble pairs or 32 int8) or int8 rows with one f32 scale per
 // row. Each 32-weight block is dequantized into two 16-float vectors in registers (weights 0-15 and
 // 16-31) and multiplied with the same 32 inputs of up to kTokens tokens at once, so a weight read
-// from memory serves several tokens.
+// from memory serves several tokens; for more tokens a row is dequantized once into an f32 copy in
+// L1 that every group of tokens reads.
 //
 // The arithmetic of one output element is fixed and independent of T, of the tiling and of the
 // instruction set (batch invariance, and the reference can replay it):
 //   w_lo, w_hi = dequantized block b (per weight: float(q) * d [+ m], as the reference rounds it)
-//   acc = acc + x_lo * w_lo;  acc = acc + x_hi * w_hi        (16 lanes, blocks in order, no FMA)
+//   acc = fma(x_lo, w_lo, acc);  acc = fma(x_hi, w_hi, acc)   (16 lanes, blocks in order, each
+//                                                              multiply-add rounded once)
 //   out = halving tree over acc's lanes (8 + 8, 4 + 4, 2 + 2, 1 + 1) [* row scale for int8]
-// Hence no FMA contraction in this file (the pragma): a fused x * w + acc rounds once where the
-// reference rounds twice. The one fused multiply-add written out is in dequantizing, where q * d is
-// exact in f32 (an 11-bit f16 scale times a small integer), so fusing changes no bit (the .inc file
-// says more). Each variant's 16-float vector (one AVX-512 register, two AVX2 ones, GCC's generic
-// vector on the baseline) does the same lane arithmetic, so every variant gives the same bits.
+// The fused multiply-adds are written out; the pragma keeps the compiler from fusing anything else
+// (a dequantizing or summing multiply and add must round as the reference rounds them). The one
+// other fused multiply-add written out is in dequantizing, where q * d is exact in f32 (an 11-bit
+// f16 scale times a small integer), so fusing changes no bit (the .inc file says more). Each
+// variant's 16-float vector (one AVX-512 register, two AVX2 ones, GCC's generic vector on the
+// baseline, whose fma is libm's) does the same lane arithmetic, so every variant gives the same bits.
 
 #pragma GCC optimize("fp-contract=off")
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "parallel_for.h"
 #if defined(__x86_64__)

@@ -2,8 +2,9 @@
 CPU has, forced one by one, against the numpy reference on ragged shapes.
 
 "Exact" here means bit for bit: the reference replays the kernel's f32 operations in the kernel's
-order (block dequantization as gguf does it, 16 lane sums over the blocks without FMA, a halving tree
-over the lanes), so any reordering, fused multiply-add or wrong nibble shows as a difference. XLA's
+order (block dequantization as gguf does it, 16 lane sums of fused multiply-adds over the blocks, a
+halving tree over the lanes), so any reordering, unfused or extra fused operation or wrong nibble
+shows as a difference. XLA's
 dequantize-then-dot (the GPU path) sums in its own order: it is held to a rounding bound instead."""
 
 import gguf
@@ -63,6 +64,15 @@ def test_a_token_gets_the_same_bits_alone_or_in_a_batch(restore_isa):
     batched = np.asarray(native_matmul(x, "q4_1", weights, None))
     for t in (0, 5, 63):
         np.testing.assert_array_equal(np.asarray(native_matmul(x[t:t + 1], "q4_1", weights, None))[0], batched[t])
+
+
+def test_the_reference_fma_rounds_once_even_at_a_halfway_f64_sum():
+    """4097 * 4097 = 2^24 + 2^13 + 1 lies halfway between two f32; adding +-2^-40 moves the exact
+    value off the tie, but the f64 sum rounds back onto it, so rounding that f64 to f32 (ties to
+    even) is wrong on one side: the fused result takes the neighbour the exact value is nearer."""
+    a = np.array([4097, 4097, 4097], np.float32)
+    c = np.array([2.0 ** -40, -2.0 ** -40, 0.0], np.float32)
+    np.testing.assert_array_equal(qm.fma_f32(a, a, c), np.array([16785410, 16785408, 16785408], np.float32))
 
 
 @pytest.mark.parametrize("format", qm.FORMATS)
