@@ -4,7 +4,8 @@ kernel per instruction-set variant the CPU has, against XLA's dequantize-then-do
     python bench/bench_quantized_matmul.py [--format q4_1] [--layers 6] [--tokens 1 2 4 8 16 32 64 128]
 
 For each T: ms for the matrices of `--layers` layers (q, k, v, o, gate, up, down; random weights in
-the format), the weight bytes read per ms as GB/s, and XLA's time over the native kernel's. Prints the
+the format), the weight bytes read per ms as GB/s, and XLA's time over the native kernel's (for
+`--format f32`, XLA's is the float model's own dot over [in, out] kernels: matmul_impl="xla"). Prints the
 CPU, numpy's copy bandwidth in the same run and a table; saves bench/results/quantized_matmul_new.json
 (or --out). Where the two cross is what NATIVE_MAX_TOKENS encodes.
 """
@@ -43,7 +44,12 @@ def weights(format: str, layers: int, rng) -> list[tuple[jax.Array, jax.Array | 
     out = []
     for shape in LAYER * layers:
         w = rng.standard_normal(shape).astype(np.float32)
-        data, scales = qm.quantize_int8(w) if format == "int8" else (gguf.quants.quantize(w, GGUF_TYPES[format]), None)
+        if format == "f32":
+            data, scales = w, None
+        elif format == "int8":
+            data, scales = qm.quantize_int8(w)
+        else:
+            data, scales = gguf.quants.quantize(w, GGUF_TYPES[format]), None
         out.append((jnp.asarray(data), None if scales is None else jnp.asarray(scales)))
     return out
 
@@ -88,13 +94,17 @@ def main() -> None:
     print(f"{cpu_model()}; numpy copies {bandwidth / 1e9:.1f} GB/s; {args.format}, {args.layers} layers "
           f"({nbytes / 1e6:.1f} MB of weights)")
     native_fn, xla_fn = program(qm.quantized_matmul_native, args.format), program(qm.quantized_matmul_xla, args.format)
+    xla_mats = mats
+    if args.format == "f32":  # XLA's side is the float model's own dot (matmul_impl="xla"), over [in, out]
+        xla_mats = [(jnp.asarray(np.asarray(d).T), s) for d, s in mats]
+        xla_fn = program(lambda x, format, kernel, scales: x @ kernel, args.format)
     isas, rows = tuple(i for i in native.supported_isas() if args.isas is None or i in args.isas), []
     chosen = native.isa()
     print(f"native variants timed: {', '.join(isas)}; the kernels run {chosen} by default here "
           f"(${native.ISA_ENV} forces a lower one); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     for tokens in args.tokens:
         x = jnp.asarray(np.random.default_rng(tokens).standard_normal((tokens, 576)).astype(np.float32))
-        row = {"tokens": tokens, "xla_ms": 1000 * best_of(xla_fn, (x, mats), args.repeat)}
+        row = {"tokens": tokens, "xla_ms": 1000 * best_of(xla_fn, (x, xla_mats), args.repeat)}
         for isa in isas:
             native.select_isa(isa)
             row[f"{isa}_ms"] = 1000 * best_of(native_fn, (x, mats), args.repeat)

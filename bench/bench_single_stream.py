@@ -1,8 +1,10 @@
 """One user chatting: decode speed of a single request (greedy, a ~80-token prompt, 128 new tokens),
 against the machine's memory-speed limit for the weights (every decode token reads all of them),
-for each weight quantization asked (float32, the GGUF's own Q4_1 blocks, int8).
+for each weight quantization asked (float32, the GGUF's own Q4_1 blocks, int8) and each
+matmul_impl asked for the float matrices (auto: native on CPU; xla: XLA's dot, as before it).
 
-    python bench/bench_single_stream.py [--quantization none gguf int8] [--max-num-seqs 32] [--runs 3]
+    python bench/bench_single_stream.py [--quantization none gguf int8] [--matmul-impl auto native xla]
+                                        [--max-num-seqs 32] [--runs 3]
 
 Prints one line per run and a summary per quantization; saves bench/results/single_stream_new.json
 (or --out): decode tok/s (first token to last), ms per token, the buckets the steps ran in, the bytes
@@ -25,7 +27,7 @@ import jax
 import numpy as np
 
 from orca_jax import LLM, SamplingParams
-from orca_jax.config import QUANTIZATION_CHOICES
+from orca_jax.config import MATMUL_IMPL_CHOICES, QUANTIZATION_CHOICES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle. " * 5
@@ -56,8 +58,9 @@ def native_isa() -> str:
     return native.isa() if reason is None else f"unavailable ({reason})"
 
 
-def measure(quantization: str, max_num_seqs: int, num_runs: int, bandwidth: float) -> dict:
-    llm = LLM(max_num_seqs=max_num_seqs, quantization=quantization, show_progress=False)
+def measure(quantization: str, matmul_impl: str, max_num_seqs: int, num_runs: int, bandwidth: float) -> dict:
+    llm = LLM(max_num_seqs=max_num_seqs, quantization=quantization, matmul_impl=matmul_impl, show_progress=False)
+    label = f"{quantization}, matmuls {llm.runner.matmul_impl}"
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm
     runs = []
@@ -68,20 +71,21 @@ def measure(quantization: str, max_num_seqs: int, num_runs: int, bandwidth: floa
         per_token = (metrics.finished_time - metrics.first_token_time) / (len(out.outputs[0].token_ids) - 1)
         runs.append({"decode_tok_s": 1 / per_token, "ms_per_token": 1000 * per_token,
                      "buckets": {f"{t}x{s}": n for (t, s), n in llm.runner.stats.buckets.items()}})
-        print(f"{quantization}: decode {1 / per_token:.1f} tok/s ({1000 * per_token:.1f} ms/token), steps per (tokens x seqs) "
+        print(f"{label}: decode {1 / per_token:.1f} tok/s ({1000 * per_token:.1f} ms/token), steps per (tokens x seqs) "
               f"bucket: {runs[-1]['buckets']}", flush=True)
     weight_bytes = sum(x.nbytes for stage in llm.runner.stages for x in jax.tree.leaves(stage.params))
     limit = bandwidth / weight_bytes
     best = max(r["decode_tok_s"] for r in runs)
-    print(f"{quantization}: best {best:.1f} tok/s; weights {weight_bytes / 1e6:.0f} MB -> memory-speed limit "
+    print(f"{label}: best {best:.1f} tok/s; weights {weight_bytes / 1e6:.0f} MB -> memory-speed limit "
           f"{limit:.1f} tok/s; {best / limit:.0%} of it", flush=True)
-    return {"runs": runs, "weight_bytes": weight_bytes, "limit_tok_s": limit, "best_tok_s": best,
+    return {"matmul_impl": llm.runner.matmul_impl, "runs": runs, "weight_bytes": weight_bytes, "limit_tok_s": limit, "best_tok_s": best,
             "fraction_of_limit": best / limit}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quantization", nargs="+", choices=QUANTIZATION_CHOICES, default=list(QUANTIZATION_CHOICES))
+    parser.add_argument("--matmul-impl", nargs="+", choices=MATMUL_IMPL_CHOICES, default=["auto"])
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "single_stream_new.json")
@@ -91,8 +95,10 @@ def main() -> None:
     print(f"{cpu_model()}, native kernels: {native_isa()} variant; numpy copies {bandwidth / 1e9:.1f} GB/s", flush=True)
     modes = {}
     for quantization in args.quantization:
-        modes[quantization] = measure(quantization, args.max_num_seqs, args.runs, bandwidth)
-        gc.collect()  # the previous engine's weights and KV pages go before the next one's
+        for matmul_impl in args.matmul_impl:
+            name = quantization if matmul_impl == "auto" else f"{quantization}, matmul_impl {matmul_impl}"
+            modes[name] = measure(quantization, matmul_impl, args.max_num_seqs, args.runs, bandwidth)
+            gc.collect()  # the previous engine's weights and KV pages go before the next one's
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"cpu": cpu_model(), "native_isa": native_isa(), "max_num_seqs": args.max_num_seqs,
                                     "copy_bytes_per_s": bandwidth, "quantization": modes}, indent=1))

@@ -2,7 +2,8 @@
 once, on a copy-heavy workload (answers that repeat their prompt) and on the `throughput` workload.
 
     python bench/bench_spec.py [--num-requests 9] [--throughput-requests 32] [--draft-model NAME]
-                               [--modes off,ngram,draft_model] [--out bench/results/spec_new.json]
+                               [--modes off,ngram,draft_model] [--cases copy1,copy16,throughput16]
+                               [--matmul-impl auto|native|xla] [--out bench/results/spec_new.json]
 
 Every engine runs the same greedy requests (outputs must be identical, token for token; the JSON
 records whether they were); the figures are generated tok/s, the ratio of each method to off
@@ -31,11 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import copy_heavy_workload, mixed_workload  # noqa: E402
 
 from orca_jax import LLM, SamplingParams  # noqa: E402
-from orca_jax.config import SchedulerConfig  # noqa: E402
+from orca_jax.config import MATMUL_IMPL_CHOICES, SchedulerConfig  # noqa: E402
 from orca_jax.engine.engine import LLMEngine  # noqa: E402
 from orca_jax.engine.step_plan import padding_plan  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+CASES = ("copy1", "copy16", "throughput16")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
@@ -149,18 +151,25 @@ def main() -> None:
                         help="default: a new file beside the committed spec.json")
     parser.add_argument("--draft-model", default=None, help="draft_model's model (default: the target itself)")
     parser.add_argument("--modes", default="off,ngram,draft_model", help="comma-separated; off always runs")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument("--matmul-impl", choices=MATMUL_IMPL_CHOICES, default="auto",
+                        help="the float matrices' matmuls, for every engine (README, matmul_impl)")
     args = parser.parse_args()
     names = ["off"] + [m for m in args.modes.split(",") if m and m != "off"]
     specs = modes(args.draft_model or args.model, names)
 
     llms = {mode: LLM(args.model, max_num_seqs=16, max_num_batched_tokens=512, speculative_config=spec,
-                      max_model_len=2048, show_progress=False) for mode, spec in specs.items()}
+                      max_model_len=2048, matmul_impl=args.matmul_impl, show_progress=False)
+            for mode, spec in specs.items()}
     tokenizer = llms["off"].tokenizer
     copy_heavy = copy_heavy_workload(tokenizer, args.num_requests)
     throughput = mixed_workload(tokenizer, args.throughput_requests)
-    cases = {"copy-heavy, 1 stream": (copy_heavy, 1, False), "copy-heavy, 16 at once": (copy_heavy, 16, False),
-             "throughput, 16 at once": (throughput, 16, True)}
+    every_case = {"copy1": ("copy-heavy, 1 stream", (copy_heavy, 1, False)),
+                  "copy16": ("copy-heavy, 16 at once", (copy_heavy, 16, False)),
+                  "throughput16": ("throughput, 16 at once", (throughput, 16, True))}
+    cases = dict(every_case[name] for name in args.cases.split(","))
     results = {"cpu": cpu_name(), "jax": jax.__version__, "model": args.model, "dtype": "float32", "modes": names,
+               "matmul_impl": llms["off"].runner.matmul_impl,
                "speculative_config": {m: spec for m, spec in specs.items() if spec}, "cases": {}}
     for case, (workload, concurrency, ignore_eos) in cases.items():
         figures, outputs = {}, {}

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from orca_jax.config import (ATTENTION_IMPL_CHOICES, DEFAULT_MODEL, DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES,
-                             LOAD_FORMAT_CHOICES, MATMUL_PRECISION_CHOICES, QUANTIZATION_CHOICES,
+                             LOAD_FORMAT_CHOICES, MATMUL_IMPL_CHOICES, MATMUL_PRECISION_CHOICES, QUANTIZATION_CHOICES,
                              SCHEDULING_POLICIES)
 from orca_jax.parallel.multihost import DistributedConfig, run_process
 from orca_jax.parallel.plan_cli import add_plan_arguments, plan_command
@@ -172,6 +172,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--matmul-precision", choices=MATMUL_PRECISION_CHOICES,
                        help="precision of the model's matmuls (auto: highest for float32 models, i.e. no TF32 on "
                             "GPUs; default for 16-bit ones, 16-bit products summed in float32)")
+    group.add_argument("--matmul-impl", choices=MATMUL_IMPL_CHOICES,
+                       help="float matrices' matmuls (auto: native on CPU for float32 at tp 1; native: the CPU "
+                            "kernel for decode-sized calls over the matrices as rows, XLA for the rest; xla: XLA's "
+                            "dot, the reference)")
     group.add_argument("--quantization", choices=QUANTIZATION_CHOICES,
                        help="weights kept quantized (none: the dtype's): gguf serves the GGUF's own Q4_0/Q4_1/Q8_0 "
                             "blocks, int8 quantizes float weights per output channel at load")
@@ -262,6 +266,7 @@ def engine_config(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         matmul_precision=args.matmul_precision,
+        matmul_impl=args.matmul_impl,
         quantization=args.quantization,
         attention_impl=args.attention_impl,
         load_format=args.load_format,

@@ -35,6 +35,10 @@ DType = Literal["float32", "bfloat16", "float16"]
 KVCacheDType = Literal["auto", "float32", "bfloat16"]
 SchedulingPolicy = Literal["static", "orca", "paged", "chunked"]  # each a class in engine/scheduler.py's POLICIES
 AttentionImpl = Literal["auto", "native", "pallas", "xla"]
+# How float matrices are multiplied (quantized ones always use their kernel): "native" has the CPU
+# kernel compute calls of a few rows (decode steps) over the matrices transposed to rows, XLA the
+# rest; "xla": XLA's dot throughout (the reference); auto: native on CPU for float32 at tp = 1.
+MatmulImpl = Literal["auto", "native", "xla"]
 DTypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
 # jax's names (jax.default_matmul_precision); auto = highest for float32 models, default otherwise.
 MatmulPrecision = Literal["auto", "highest", "high", "default"]
@@ -48,6 +52,7 @@ Quantization = Literal["none", "gguf", "int8"]
 # The choice lists, defined once: the CLI's choices, the TOML loader's checks and their errors use them.
 SCHEDULING_POLICIES: tuple[str, ...] = typing.get_args(SchedulingPolicy)
 ATTENTION_IMPL_CHOICES: tuple[str, ...] = typing.get_args(AttentionImpl)
+MATMUL_IMPL_CHOICES: tuple[str, ...] = typing.get_args(MatmulImpl)
 DTYPE_CHOICES: tuple[str, ...] = typing.get_args(DTypeSetting)
 KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = typing.get_args(KVCacheDType)
 MATMUL_PRECISION_CHOICES: tuple[str, ...] = typing.get_args(MatmulPrecision)
@@ -377,6 +382,7 @@ class EngineConfig:
     dtype: DTypeSetting = "auto"  # weights, activations and KV pages; auto: the checkpoint's, float32 on CPU
     attention_impl: AttentionImpl = "auto"
     matmul_precision: MatmulPrecision = "auto"  # see matmul_precision_for
+    matmul_impl: MatmulImpl = "auto"  # see MatmulImpl
     quantization: Quantization = "none"  # weights kept quantized on the device (README, Quantization)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -397,6 +403,10 @@ class EngineConfig:
         _check_literal(self, "attention_impl", ATTENTION_IMPL_CHOICES)
         _check_literal(self, "dtype", DTYPE_CHOICES)
         _check_literal(self, "matmul_precision", MATMUL_PRECISION_CHOICES)
+        _check_literal(self, "matmul_impl", MATMUL_IMPL_CHOICES)
+        _require(self.matmul_impl != "native" or self.parallel.tensor_parallel_size == 1,
+                 "matmul_impl='native' multiplies whole matrices on each device: use tensor_parallel_size=1, "
+                 "or matmul_impl='auto' (XLA's dot when the matrices are split)")
         _check_literal(self, "quantization", QUANTIZATION_CHOICES)
         _require(self.quantization == "none" or self.parallel.tensor_parallel_size == 1,
                  f"quantization={self.quantization!r} keeps whole quantized matrices on each device and does not "

@@ -7,6 +7,10 @@ Formats (weights of one output row, `in` a multiple of 32, split into blocks of 
     q4_1  GGUF Q4_1, 20 bytes: f16 d, f16 m, 16 bytes as q4_0; w = d * q + m
     q8_0  GGUF Q8_0, 34 bytes: f16 d, 32 int8; w = d * q
     int8  int8 [out, in] with one f32 scale per output row (per-channel, symmetric): w = scale * q
+    f32   not quantized: float32 rows [out, in], a float model's matrix transposed. XLA:CPU runs a
+          dot of a few rows on one thread; the kernel reads the rows once, on every thread, which
+          makes a float model's decode steps of 2-8 rows faster (model/quantization.py,
+          `serve_float_rows`)
 
 The GGUF formats are the blocks exactly as a GGUF file stores them: `weights` is then the tensor's
 uint8 data, [out, in / 32 * block bytes], as `gguf.GGUFReader` maps it.
@@ -35,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-FORMATS = ("q4_0", "q4_1", "q8_0", "int8")  # numbered as the .cc file's Format
+FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "f32")  # numbered as the .cc file's Format
 GGUF_FORMATS = FORMATS[:3]
 BLOCK = 32
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
@@ -47,8 +51,13 @@ LANES = 16  # the native kernel's vector width, which fixes its summation order
 # Xeon, 2026-12-01, bench/bench_quantized_matmul.py): native ahead up to 16 rows in both runs, the
 # crossover between 32 and 128 rows; 16 keeps every decode bucket on the native kernel.
 NATIVE_MAX_TOKENS = 16
+# For f32 rows XLA's own dot is the other side: a 1-row dot runs on one thread near memory speed
+# already, and from 16 rows on XLA's GEMM computes as fast as the kernel; between, the kernel's
+# reading every row once on every thread wins (Intel Xeon, 2026-12-01, 30 layers of SmolLM2's
+# matrices: 4 rows 27 against 39 ms, 8 rows 27 against 42, 16 rows 42 against 41).
+FLOAT_NATIVE_MAX_TOKENS = 8
 
-__all__ = ["BLOCK", "BLOCK_BYTES", "FORMATS", "GGUF_FORMATS", "check_weights", "dequantize",
+__all__ = ["BLOCK", "BLOCK_BYTES", "FLOAT_NATIVE_MAX_TOKENS", "FORMATS", "GGUF_FORMATS", "check_weights", "dequantize",
            "NATIVE_MAX_TOKENS", "dequantize_reference", "quantize_int8", "quantized_matmul", "quantized_matmul_native",
            "quantized_matmul_reference", "quantized_matmul_xla"]
 
@@ -59,9 +68,9 @@ def check_weights(format: str, weights_shape: tuple[int, ...], in_features: int,
         raise ValueError(f"quantized matmul: unknown format {format!r}; known: {', '.join(FORMATS)}")
     if in_features % BLOCK:
         raise ValueError(f"quantized matmul: in={in_features} is not a multiple of the {BLOCK}-weight block")
-    row_bytes = in_features if format == "int8" else in_features // BLOCK * BLOCK_BYTES[format]
-    if len(weights_shape) != 2 or weights_shape[1] != row_bytes:
-        raise ValueError(f"quantized matmul: {format} weights for in={in_features} must be [out, {row_bytes}], "
+    row_size = in_features if format in ("int8", "f32") else in_features // BLOCK * BLOCK_BYTES[format]
+    if len(weights_shape) != 2 or weights_shape[1] != row_size:
+        raise ValueError(f"quantized matmul: {format} weights for in={in_features} must be [out, {row_size}], "
                          f"got {tuple(weights_shape)}")
     if format == "int8" and (scales_shape is None or tuple(scales_shape) != (weights_shape[0],)):
         raise ValueError(f"quantized matmul: int8 weights need scales of shape ({weights_shape[0]},), "
@@ -73,6 +82,8 @@ def check_weights(format: str, weights_shape: tuple[int, ...], in_features: int,
 def _blocks_reference(format: str, weights: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
     """f32 weights [out, blocks, 32]; for int8 without the row scale (the kernel applies it last)."""
     out = weights.shape[0]
+    if format == "f32":
+        return weights.astype(np.float32).reshape(out, -1, BLOCK)
     if format == "int8":
         return weights.view(np.int8).reshape(out, -1, BLOCK).astype(np.float32)
     blocks = weights.reshape(out, -1, BLOCK_BYTES[format])
@@ -151,6 +162,8 @@ def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def dequantize(format: str, weights: jax.Array, scales: jax.Array | None = None) -> jax.Array:
     """jnp twin of dequantize_reference: f32 [rows, in] (also the embedding lookup's rows)."""
     rows = weights.shape[0]
+    if format == "f32":
+        return weights.astype(jnp.float32)
     if format == "int8":
         return weights.astype(jnp.float32) * scales[:, None].astype(jnp.float32)
     blocks = weights.reshape(rows, -1, BLOCK_BYTES[format])
@@ -169,7 +182,10 @@ def dequantize(format: str, weights: jax.Array, scales: jax.Array | None = None)
 
 def quantized_matmul_xla(x: jax.Array, format: str, weights: jax.Array, scales: jax.Array | None = None) -> jax.Array:
     w = dequantize(format, weights, scales)
-    return jnp.einsum("ti,oi->to", x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+    # f32 rows are a float model's own matrices: their dot takes the model's matmul precision (the
+    # runner traces under it), as the float model's einsums do; dequantized weights are summed in full.
+    precision = None if format == "f32" else jax.lax.Precision.HIGHEST
+    return jnp.einsum("ti,oi->to", x.astype(jnp.float32), w, precision=precision)
 
 
 # ---- native (CPU) ---------------------------------------------------------------------------------

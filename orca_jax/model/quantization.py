@@ -1,5 +1,6 @@
 """Quantized weights on the device (`--quantization gguf|int8`): the decoder's matrices swapped for
-quantized rows that the matmuls read as they are (pallas_kernels/quantized_matmul.py).
+quantized rows that the matmuls read as they are (pallas_kernels/quantized_matmul.py). Also the
+float32 model's matrices as rows for the same native kernel (`serve_float_rows`, matmul_impl).
 
 - `gguf`: the blocks of the GGUF file the checkpoint was imported from (kept beside it as
   `model.gguf`), exactly as stored: SmolLM2's Q4_1 projections and its Q8_0 embedding (also the tied
@@ -20,6 +21,7 @@ import dataclasses
 import functools
 import logging
 import math
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -32,8 +34,8 @@ from flax import nnx
 from orca_jax.checkpoint.gguf_import import GGUF_FILE, unpermute_llama_qk
 from orca_jax.config import ConfigError
 from orca_jax.model.layers import Dense, Embed, param
-from pallas_kernels.quantized_matmul import (BLOCK, NATIVE_MAX_TOKENS, check_weights, dequantize, quantize_int8,
-                                             quantized_matmul)
+from pallas_kernels.quantized_matmul import (BLOCK, FLOAT_NATIVE_MAX_TOKENS, NATIVE_MAX_TOKENS, check_weights,
+                                             dequantize, quantize_int8, quantized_matmul)
 
 log = logging.getLogger(__name__)
 
@@ -184,3 +186,73 @@ def _native_kernel_loaded() -> bool:
     if reason is not None:
         log.warning("quantized matmuls on CPU run as XLA's dequantize-then-dot (slower): %s", reason)
     return reason is None
+
+
+# ---- float32 rows for the native kernel (`matmul_impl="native"`) ---------------------------------
+
+def resolve_matmul_impl(requested: str, platform: str, dtype: str, tensor_parallel_size: int) -> str:
+    """config.MatmulImpl for the devices: "auto" is "native" on CPU for a float32 model at tp = 1 with
+    the native library loaded in its AVX2 or AVX-512 variant, "xla" otherwise; "native" where it
+    cannot run is refused, saying why."""
+    if requested == "xla":
+        return "xla"
+    from orca_jax.model.paged_attention import native_cache_dir
+    from pallas_kernels import native
+
+    reasons = [why for why, fails in (
+        (f"it runs on CPU, not on {platform!r}", platform != "cpu"),
+        (f"it multiplies float32 matrices; this model runs in {dtype}", dtype != "float32"),
+        ("it needs whole matrices on each device (tensor_parallel_size=1)", tensor_parallel_size != 1)) if fails]
+    if not reasons:
+        unavailable = native.unavailable_reason(native_cache_dir())
+        if unavailable is not None:
+            reasons.append(unavailable)
+    if not reasons:
+        if requested == "auto" and native.isa() == "base":
+            # The baseline variant has no fused multiply-add instruction (libm's, lane by lane): it
+            # gives the same bits, far slower than XLA's dot.
+            return "xla"
+        return "native"
+    if requested == "native":
+        raise ConfigError(f"matmul_impl='native': {'; '.join(reasons)}; use matmul_impl='auto' or 'xla'")
+    return "xla"
+
+
+# Transposed copies already made, by the kernel array they came from and the placement: engines
+# built over one loaded model (a session's tests, an LLM rebuilt with other limits) share them
+# instead of each holding another copy of every matrix. An entry goes with its kernel array.
+_FLOAT_ROWS: dict[tuple[int, object], tuple[weakref.ref, jax.Array]] = {}
+
+
+def serve_float_rows(stage: nnx.Module, sharding, native_max_tokens: int = FLOAT_NATIVE_MAX_TOKENS) -> int:
+    """Has the native kernel compute the float32 matrices of `stage` (a DecoderStage whose params
+    are on their devices, tp = 1) in calls of up to `native_max_tokens` rows, XLA the larger ones:
+    each Dense kernel [in..., out...] becomes rows [out, in] ("f32" format, transposed on the device
+    and placed with `sharding`); a tied embedding is already the head's rows and is kept as it is.
+    Matrices whose `in` is not a multiple of the kernel's 32-wide block stay with XLA. Returns how
+    many matrices the kernel computes."""
+    kernel = Quantized("f32", cpu_native=True, native_max_tokens=native_max_tokens)
+    served = 0
+    for _, module in nnx.iter_graph(stage):
+        if isinstance(module, Dense) and module.quantized is None:
+            out, inner = _rows_shape(module)
+            if inner % BLOCK:
+                continue
+            module.kernel = param(_float_rows(module.kernel[...], inner, out, sharding), (None, None))
+            module.quantized = kernel
+            served += 1
+    head = getattr(stage, "head", None)
+    if isinstance(head, Embed) and head.quantized is None and head.embedding.shape[1] % BLOCK == 0:
+        head.quantized = kernel
+        served += 1
+    return served
+
+
+def _float_rows(matrix: jax.Array, inner: int, out: int, sharding) -> jax.Array:
+    key = (id(matrix), sharding)
+    cached = _FLOAT_ROWS.get(key)
+    if cached is not None and cached[0]() is matrix:
+        return cached[1]
+    rows = jax.device_put(jnp.asarray(matrix, jnp.float32).reshape(inner, out).T, sharding)
+    _FLOAT_ROWS[key] = (weakref.ref(matrix, lambda _, key=key: _FLOAT_ROWS.pop(key, None)), rows)
+    return rows

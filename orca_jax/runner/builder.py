@@ -104,7 +104,8 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
                          attention_impl=config.attention_impl, parallel=config.parallel, devices=devices,
                          step_timeout=None if distributed is None else distributed.step_timeout,
                          kv_cache_dtype=config.cache.kv_cache_dtype, matmul_precision=config.matmul_precision,
-                         proposer=proposer, weights=weights, quantization=config.quantization)
+                         proposer=proposer, weights=weights, quantization=config.quantization,
+                         matmul_impl=config.matmul_impl)
     if options.show_progress:
         print(f"orca_jax: {model_config.name}, policy {config.scheduler.policy}, {runner.describe()}\n"
               f"{plan.one_line()}", file=sys.stderr)

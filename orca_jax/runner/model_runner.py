@@ -53,6 +53,7 @@ from orca_jax.engine.step_plan import Buckets, KVLayout, RunnerLost, StepPlan, S
 from orca_jax.model.attention import AttentionMetadata
 from orca_jax.model.decoder import Decoder, DecoderStage
 from orca_jax.model.paged_attention import resolve_attention_impl
+from orca_jax.model.quantization import resolve_matmul_impl, serve_float_rows
 from orca_jax.model.sampler import SamplerOutput, SamplingMetadata, sample
 from orca_jax.sampling_params import MAX_LOGPROBS
 from orca_jax.parallel import kv_cache_sharding, param_shardings, stage_meshes
@@ -150,6 +151,7 @@ class ModelRunner:
         proposer: NgramProposer | DraftModelProposer | None = None,
         weights=None,
         quantization: str = "none",
+        matmul_impl: str = "auto",
     ):
         """`attention_impl`: "auto", "native", "xla", "pallas" or "pallas-interpret", resolved here
         for the devices' platform. `devices` (default: all of jax.devices(), every process's) are split
@@ -164,7 +166,8 @@ class ModelRunner:
         stage's parameters come from it, straight into their shardings; None: the model's own arrays
         are placed. `quantization`: how the model's matrices were quantized
         (config.QUANTIZATION_CHOICES; the model already holds them so), for the layout settings and
-        the start-up line."""
+        the start-up line. `matmul_impl` (config.MatmulImpl), resolved here: "native" turns each stage's
+        float matrices into rows for the native kernel once they are on their devices."""
         enable_compilation_cache()
         config = model.config
         check_parallel(config, parallel)
@@ -186,6 +189,7 @@ class ModelRunner:
         self.max_in_flight = parallel.pipeline_parallel_size
         platform = meshes[0].devices.flat[0].platform
         self.attention_impl = resolve_attention_impl(attention_impl, platform)
+        self.matmul_impl = resolve_matmul_impl(matmul_impl, platform, config.dtype, parallel.tensor_parallel_size)
         if platform == "cpu" and self.kv_dtype == jnp.bfloat16 and self.attention_impl != "native":
             log.warning("bfloat16 KV pages with the %s attention on CPU slow every step: XLA:CPU writes new K/V "
                         "into bfloat16 pages by converting whole page arrays (the native kernel writes them "
@@ -225,6 +229,11 @@ class ModelRunner:
         graphdef, state = nnx.split(DecoderStage(model, layers, first=first, last=last))
         num_kv_heads = kv_shape[2]
         widen = num_kv_heads != self.config.n_kv_heads
+        native_rows = self.matmul_impl == "native"
+        if native_rows and self.weights is None:
+            # Before placing (tp = 1, so nothing is widened): the rows are made once per array of the
+            # given model and shared by every runner over it (model/quantization.py).
+            graphdef, state = float_rows(graphdef, state, replicated)
         shardings = param_shardings(state, mesh)
         if self.weights is None:
             params = jax.device_put(replicate_kv_heads(state, num_kv_heads) if widen else state, shardings)
@@ -235,6 +244,8 @@ class ModelRunner:
                                                else shardings, layers=layers, tied=self.config.tie_word_embeddings)
             if widen:
                 params = jax.device_put(replicate_kv_heads(params, num_kv_heads), shardings)
+            if native_rows:
+                graphdef, params = float_rows(graphdef, params, replicated)
         kv_sharding = kv_cache_sharding(mesh)
         zeros = jax.jit(lambda: jnp.zeros(kv_shape, self.kv_dtype), out_shardings=kv_sharding)
         attention = sharded_paged_attention(self.attention_impl, mesh)
@@ -312,7 +323,7 @@ class ModelRunner:
         """Everything the processes of one model must agree on, one entry per setting (multi-host
         compares them at start-up and names each that differs)."""
         settings = {"kv_dtype": self.kv_dtype.name, "attention_impl": self.attention_impl,
-                    "matmul_precision": self.matmul_precision, "proposer": repr(self.proposer),
+                    "matmul_precision": self.matmul_precision, "matmul_impl": self.matmul_impl, "proposer": repr(self.proposer),
                     "quantization": self.quantization,
                     "weights": "the model's arrays" if self.weights is None else self.weights.describe(),
                     "stage_devices": repr([[d.id for d in s.mesh.devices.flat] for s in self.stages])}
@@ -340,8 +351,8 @@ class ModelRunner:
             drafts = f", {self.drafter.describe()}"
         weights = "" if self.weights is None else f"; weights: {self.weights.summary()}"
         quantized = "" if self.quantization == "none" else f", weights quantized ({self.quantization})"
-        return (f"tp {tp} x pp {pp} ({stages}), attention {self.attention_impl}, KV pages {self.kv_dtype.name}"
-                f"{quantized}{drafts}{weights}")
+        return (f"tp {tp} x pp {pp} ({stages}), attention {self.attention_impl}, matmuls {self.matmul_impl}, "
+                f"KV pages {self.kv_dtype.name}{quantized}{drafts}{weights}")
 
     # ---- compilation ---------------------------------------------------------------------
     def warm_up(self, show_progress: bool = True) -> float:
@@ -394,7 +405,8 @@ class ModelRunner:
         return self.executable_store.load_or_compile(
             # The kv_layout fixes where each field sits in the packed inputs (packing.py).
             f"{name}{size}-stage{stage.index}", args,
-            repr((self.config, self.attention_impl, self.matmul_precision, self.proposer, self.kv_layout)),
+            repr((self.config, self.attention_impl, self.matmul_precision, self.matmul_impl, self.proposer,
+                  self.kv_layout)),
             lambda: self.lower(program, args), out_tree, list(stage.mesh.devices.flat))
 
     def lower(self, program, args):
@@ -549,6 +561,13 @@ class ModelRunner:
                 (np.zeros((num_seqs, vocab), np.int32), np.zeros((num_seqs, vocab), bool)), stage.replicated
             )
         return self._zero_penalties[num_seqs]
+
+
+def float_rows(graphdef, state, sharding):
+    """The stage (graphdef, state) with its float matrices as the native kernel's rows."""
+    module = nnx.merge(graphdef, state)
+    serve_float_rows(module, sharding)
+    return nnx.split(module)
 
 
 def _result_shapes(num_rows: int, kv: KVLayout) -> SamplerOutput | SpeculativeOutput:

@@ -5,7 +5,7 @@
 //
 // W's rows are read as stored: GGUF blocks of 32 weights (Q4_0, Q4_1, Q8_0: an f16 scale, an f16
 // minimum for Q4_1, then 16 bytes of nibble pairs or 32 int8) or int8 rows with one f32 scale per
-// row. Each 32-weight block is dequantized into two 16-float vectors in registers (weights 0-15 and
+// row, or plain f32 rows (a float model's matrix, transposed). Each 32-weight block is dequantized into two 16-float vectors in registers (weights 0-15 and
 // 16-31) and multiplied with the same 32 inputs of up to kTokens tokens at once, so a weight read
 // from memory serves several tokens; for more tokens a row is dequantized once into an f32 copy in
 // L1 that every group of tokens reads.
@@ -53,11 +53,19 @@ using vi = int32_t __attribute__((vector_size(4 * kLanes)));
 using vb = uint8_t __attribute__((vector_size(kLanes)));
 using vsb = int8_t __attribute__((vector_size(kLanes)));
 
-// Numbered as FORMATS in pallas_kernels/quantized_matmul.py.
-enum class Format : int { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kInt8 = 3 };
+// Numbered as FORMATS in pallas_kernels/quantized_matmul.py. kF32 is not quantized: a float model's
+// matrix as f32 rows [out, in] (its kernel transposed), read as they are.
+enum class Format : int { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kInt8 = 3, kF32 = 4 };
+constexpr int kNumFormats = 5;
 
 constexpr int64_t block_bytes(Format f) {
-  return f == Format::kQ4_0 ? 18 : f == Format::kQ4_1 ? 20 : f == Format::kQ8_0 ? 34 : kBlock;
+  switch (f) {
+    case Format::kQ4_0: return 18;
+    case Format::kQ4_1: return 20;
+    case Format::kQ8_0: return 34;
+    case Format::kInt8: return kBlock;
+    default: return 4 * kBlock;
+  }
 }
 
 // IEEE half to float, exact for every value (normal, subnormal, zero, inf, NaN): a normal half's
@@ -88,7 +96,7 @@ inline uint16_t load_u16(const uint8_t* p) {
 
 struct Problem {
   const float* x;       // [T, in]
-  const uint8_t* w;     // [out, row_bytes]
+  const uint8_t* w;     // [out, row_bytes] (f32 rows for kF32)
   const float* scales;  // [out] (int8 only)
   float* out;           // [T, out]
   int64_t tokens, in, out_features, row_bytes, blocks;
@@ -117,7 +125,8 @@ ItemFn pick(Format f) {
     case Format::kQ4_0: return pick_isa<Format::kQ4_0>();
     case Format::kQ4_1: return pick_isa<Format::kQ4_1>();
     case Format::kQ8_0: return pick_isa<Format::kQ8_0>();
-    default: return pick_isa<Format::kInt8>();
+    case Format::kInt8: return pick_isa<Format::kInt8>();
+    default: return pick_isa<Format::kF32>();
   }
 }
 
@@ -125,7 +134,7 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
                            ffi::Buffer<ffi::F32> scales, ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t format) {
   // Shapes are validated in Python (the wrapper names the argument); these checks keep a direct
   // caller from reading out of bounds.
-  if (format < 0 || format > 3) return ffi::Error::InvalidArgument("quantized_matmul_native: unknown format");
+  if (format < 0 || format >= kNumFormats) return ffi::Error::InvalidArgument("quantized_matmul_native: unknown format");
   const Format f = static_cast<Format>(format);
   auto x_dims = x.dimensions();
   auto w_dims = w.dimensions();
@@ -136,9 +145,11 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   p.in = x_dims[1];
   p.out_features = w_dims[0];
   p.blocks = p.in / kBlock;
-  p.row_bytes = w_dims[1];
+  const bool f32 = f == Format::kF32;
+  p.row_bytes = w_dims[1] * (f32 ? 4 : 1);
   const bool int8 = f == Format::kInt8;
-  if (p.row_bytes != p.blocks * block_bytes(f) || ffi::ByteWidth(w.element_type()) != 1 ||
+  if (p.row_bytes != p.blocks * block_bytes(f) ||
+      (f32 ? w.element_type() != ffi::DataType::F32 : ffi::ByteWidth(w.element_type()) != 1) ||
       (int8 && static_cast<int64_t>(scales.element_count()) != p.out_features) ||
       out->dimensions().size() != 2 || out->dimensions()[0] != p.tokens || out->dimensions()[1] != p.out_features)
     return ffi::Error::InvalidArgument("quantized_matmul_native: inconsistent shapes");
@@ -163,7 +174,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OrcaQuantizedMatmul, QuantizedMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, in]
-                                  .Arg<ffi::AnyBuffer>()  // w [out, row bytes], u8 or s8
+                                  .Arg<ffi::AnyBuffer>()  // w [out, row bytes] u8 or s8, or f32 [out, in]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [out] (int8) or [0]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, out]
                                   .Attr<int32_t>("format"));

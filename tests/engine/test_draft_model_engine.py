@@ -172,7 +172,10 @@ def test_llm_with_a_draft_model_checkpoint_halves_the_pages_and_keeps_the_output
     pages each), greedy outputs equal speculation off."""
     from orca_jax import LLM
 
-    limits = dict(max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory=1 << 20, show_progress=False)
+    # One bucket each way (not the default doublings): the builder path is what this tests, and each
+    # bucket costs the target's and the draft's programs a compilation.
+    limits = dict(max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory=1 << 20, show_progress=False,
+                  token_buckets=(32,), seq_buckets=(4,))
     prompts = [{"prompt_token_ids": p} for p in ([BOS, 3, 5, 7], [BOS, 2, 4], [BOS, 9, 12, 15, 18])]
     off = LLM("tiny", **limits)
     on = LLM("tiny", speculative_config={"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3},

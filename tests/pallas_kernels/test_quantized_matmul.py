@@ -27,6 +27,8 @@ SHAPES = [(1, 576, 192), (2, 1536, 130), (3, 576, 577), (17, 1536, 64), (64, 576
 
 
 def quantized(format: str, w: np.ndarray):
+    if format == "f32":
+        return w, None
     if format == "int8":
         return qm.quantize_int8(w)
     return gguf.quants.quantize(w, GGUF_TYPES[format]), None
