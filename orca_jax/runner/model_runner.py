@@ -323,8 +323,8 @@ class ModelRunner:
         """Everything the processes of one model must agree on, one entry per setting (multi-host
         compares them at start-up and names each that differs)."""
         settings = {"kv_dtype": self.kv_dtype.name, "attention_impl": self.attention_impl,
-                    "matmul_precision": self.matmul_precision, "matmul_impl": self.matmul_impl, "proposer": repr(self.proposer),
-                    "quantization": self.quantization,
+                    "matmul_precision": self.matmul_precision, "matmul_impl": self.matmul_impl,
+                    "proposer": repr(self.proposer), "quantization": self.quantization,
                     "weights": "the model's arrays" if self.weights is None else self.weights.describe(),
                     "stage_devices": repr([[d.id for d in s.mesh.devices.flat] for s in self.stages])}
         for name, value in (("model", self.config), ("parallel", self.parallel), ("kv_layout", self.kv_layout),

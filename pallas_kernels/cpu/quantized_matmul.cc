@@ -5,10 +5,10 @@
 //
 // W's rows are read as stored: GGUF blocks of 32 weights (Q4_0, Q4_1, Q8_0: an f16 scale, an f16
 // minimum for Q4_1, then 16 bytes of nibble pairs or 32 int8) or int8 rows with one f32 scale per
-// row, or plain f32 rows (a float model's matrix, transposed). Each 32-weight block is dequantized into two 16-float vectors in registers (weights 0-15 and
-// 16-31) and multiplied with the same 32 inputs of up to kTokens tokens at once, so a weight read
-// from memory serves several tokens; for more tokens a row is dequantized once into an f32 copy in
-// L1 that every group of tokens reads.
+// row, or plain f32 rows (a float model's matrix, transposed). Each 32-weight block is dequantized
+// into two 16-float vectors in registers (weights 0-15 and 16-31) and multiplied with the same 32
+// inputs of up to kTokens tokens at once, so a weight read from memory serves several tokens; for
+// more tokens a row is dequantized once into an f32 copy in L1 that every group of tokens reads.
 //
 // The arithmetic of one output element is fixed and independent of T, of the tiling and of the
 // instruction set (batch invariance, and the reference can replay it):
