@@ -52,9 +52,10 @@ LANES = 16  # the native kernel's vector width, which fixes its summation order
 # crossover between 32 and 128 rows; 16 keeps every decode bucket on the native kernel.
 NATIVE_MAX_TOKENS = 16
 # For f32 rows XLA's own dot is the other side: a 1-row dot runs on one thread near memory speed
-# already, and from 16 rows on XLA's GEMM computes as fast as the kernel; between, the kernel's
-# reading every row once on every thread wins (Intel Xeon, 2026-12-01, 30 layers of SmolLM2's
-# matrices: 4 rows 27 against 39 ms, 8 rows 27 against 42, 16 rows 42 against 41).
+# already; at 2-8 rows the kernel's reading every row once on every thread wins (Intel Xeon,
+# 2026-12-01, 30 layers of SmolLM2's matrices, 4 x 4 AVX-512 tile: 4 rows 18.7-24.1 against
+# 37.0-44.5 ms, 8 rows 23.3-33.3 against 35.6-40.6). At 16 rows it is not settled: AVX-512 was
+# 1.16-1.37x ahead, the AVX2 variant 0.87x and 1.08x of XLA in two runs, so 16-row calls stay XLA's.
 FLOAT_NATIVE_MAX_TOKENS = 8
 
 __all__ = ["BLOCK", "BLOCK_BYTES", "FLOAT_NATIVE_MAX_TOKENS", "FORMATS", "GGUF_FORMATS", "check_weights", "dequantize",

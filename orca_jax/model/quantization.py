@@ -224,15 +224,13 @@ def resolve_matmul_impl(requested: str, platform: str, dtype: str, tensor_parall
 _FLOAT_ROWS: dict[tuple[int, object], tuple[weakref.ref, jax.Array]] = {}
 
 
-def serve_float_rows(stage: nnx.Module, sharding, native_max_tokens: int = FLOAT_NATIVE_MAX_TOKENS) -> int:
+def serve_float_rows(stage: nnx.Module, sharding, native_max_tokens: int = FLOAT_NATIVE_MAX_TOKENS) -> None:
     """Has the native kernel compute the float32 matrices of `stage` (a DecoderStage whose params
     are on their devices, tp = 1) in calls of up to `native_max_tokens` rows, XLA the larger ones:
     each Dense kernel [in..., out...] becomes rows [out, in] ("f32" format, transposed on the device
     and placed with `sharding`); a tied embedding is already the head's rows and is kept as it is.
-    Matrices whose `in` is not a multiple of the kernel's 32-wide block stay with XLA. Returns how
-    many matrices the kernel computes."""
+    Matrices whose `in` is not a multiple of the kernel's 32-wide block stay with XLA."""
     kernel = Quantized("f32", cpu_native=True, native_max_tokens=native_max_tokens)
-    served = 0
     for _, module in nnx.iter_graph(stage):
         if isinstance(module, Dense) and module.quantized is None:
             out, inner = _rows_shape(module)
@@ -240,12 +238,9 @@ def serve_float_rows(stage: nnx.Module, sharding, native_max_tokens: int = FLOAT
                 continue
             module.kernel = param(_float_rows(module.kernel[...], inner, out, sharding), (None, None))
             module.quantized = kernel
-            served += 1
     head = getattr(stage, "head", None)
     if isinstance(head, Embed) and head.quantized is None and head.embedding.shape[1] % BLOCK == 0:
         head.quantized = kernel
-        served += 1
-    return served
 
 
 def _float_rows(matrix: jax.Array, inner: int, out: int, sharding) -> jax.Array:
