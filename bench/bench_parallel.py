@@ -152,6 +152,7 @@ def stage_times(runner, num_tokens: int, num_seqs: int, rounds: int = 3) -> list
     from orca_jax.engine.step_plan import padding_plan
 
     plan = padding_plan(num_tokens, num_seqs, runner.kv_layout, runner.config.vocab_size)
+    plan.num_real_tokens = num_tokens  # every row computed, as a full bucket
     times, x = [], None
     for stage in runner.stages:
         if x is not None:

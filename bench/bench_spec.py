@@ -6,8 +6,9 @@ once, on a copy-heavy workload (answers that repeat their prompt) and on the `th
                                [--matmul-impl auto|native|xla] [--out bench/results/spec_new.json]
 
 Every engine runs the same greedy requests (outputs must be identical, token for token; the JSON
-records whether they were); the figures are generated tok/s, the ratio of each method to off
-(within this run), the acceptance (drafts accepted / verified, mean tokens per verifying step), and
+records whether they were); the figures are generated tok/s (prefills included), decoding tok/s
+(each request's tokens after its first over the time between them: what speculation speeds up), the
+ratios of each method to off (within this run), the acceptance (drafts accepted / verified, mean tokens per verifying step), and
 the step-time cost of the extra rows (one decode with 0..k drafts, and 16 decodes with 0 or k
 drafts each, timed on the runner, proposing included). The draft model defaults to the target
 itself (no smaller model with SmolLM2's tokenizer is at hand offline): its drafts are all accepted,
@@ -60,18 +61,25 @@ def run(llm: LLM, workload, concurrency: int, ignore_eos: bool) -> dict:
     config = dataclasses.replace(llm.config, scheduler=dataclasses.replace(llm.config.scheduler, max_num_seqs=concurrency))
     engine = LLMEngine(config, llm.engine.model_config, llm.runner, llm.tokenizer, llm.engine.max_model_len)
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=ignore_eos) for r in workload]
-    outputs = {}
+    outputs, first_token_at, decode_s = {}, {}, 0.0
     start = time.perf_counter()
     batches = [list(range(len(workload)))] if concurrency > 1 else [[i] for i in range(len(workload))]
     for batch in batches:
         ids = {engine.add_request(workload[i].prompt_token_ids, params[i]): i for i in batch}
         while engine.has_unfinished_requests():
             for out in engine.step():
+                now = time.perf_counter()
+                first_token_at.setdefault(out.request_id, now)
                 if out.finished:
                     outputs[ids[out.request_id]] = out.outputs[0].token_ids
+                    decode_s += now - first_token_at[out.request_id]
     wall = time.perf_counter() - start
+    # Decoding: each request's tokens after its first, over the time from its first token to its last
+    # (1 / TPOT; the prefill before the first token costs the same with speculation or without).
+    decode_tokens = sum(len(tokens) - 1 for tokens in outputs.values())
     result = {"generated_tokens": engine.num_generated_tokens, "wall_s": wall, "steps": engine.num_steps,
-              "tokens_per_s": engine.num_generated_tokens / wall}
+              "tokens_per_s": engine.num_generated_tokens / wall,
+              "decode_tokens_per_s": decode_tokens / decode_s if decode_s else 0.0}
     if engine.drafts is not None:
         s = engine.drafts.stats
         result |= {"draft_tokens": s.num_draft_tokens, "accepted_tokens": s.num_accepted_tokens,
@@ -105,6 +113,7 @@ def step_ms(llm: LLM, num_seqs: int, drafts_per_seq: int, context: int = 200, re
         plan.slot_mapping[tokens] = table[positions // runner.page_size] * runner.page_size + positions % runner.page_size
         plan.kv_lens[seq] = context + n
         plan.logits_index[seq * n:(seq + 1) * n] = np.arange(seq * n, (seq + 1) * n)
+    plan.num_real_tokens = num_seqs * n
     jax.device_get(runner.run_plan(plan))
     start = time.perf_counter()
     for _ in range(repeat):
@@ -175,12 +184,15 @@ def main() -> None:
         figures, outputs = {}, {}
         for mode, llm in llms.items():
             figures[mode], outputs[mode] = run(llm, workload, concurrency, ignore_eos)
-        line = f"{case:24s} off {figures['off']['tokens_per_s']:6.1f} tok/s"
+        off = figures["off"]
+        line = f"{case:24s} off {off['tokens_per_s']:6.1f} tok/s (decoding {off['decode_tokens_per_s']:.1f})"
         for mode in names[1:]:
-            figures[f"{mode}_over_off"] = figures[mode]["tokens_per_s"] / figures["off"]["tokens_per_s"]
+            figures[f"{mode}_over_off"] = figures[mode]["tokens_per_s"] / off["tokens_per_s"]
+            figures[f"{mode}_decode_over_off"] = figures[mode]["decode_tokens_per_s"] / off["decode_tokens_per_s"]
             figures[f"{mode}_identical_outputs"] = outputs[mode] == outputs["off"]
             f = figures[mode]
-            line += (f" | {mode} {f['tokens_per_s']:6.1f} tok/s ({figures[f'{mode}_over_off']:.2f}x), acceptance "
+            line += (f" | {mode} {f['tokens_per_s']:6.1f} tok/s ({figures[f'{mode}_over_off']:.2f}x; decoding "
+                     f"{f['decode_tokens_per_s']:.1f}, {figures[f'{mode}_decode_over_off']:.2f}x), acceptance "
                      f"{f['acceptance_rate']:.2f}, {f['mean_acceptance_length']:.2f} tokens/verifying step, identical: "
                      f"{figures[f'{mode}_identical_outputs']}")
         results["cases"][case] = figures

@@ -260,11 +260,9 @@ def copy_heavy_workload(tokenizer, num_requests: int = 12, seed: int = 0, max_to
     for i in range(num_requests):
         kind = COPY_TASKS[i % len(COPY_TASKS)]
         if kind == "edit code":
-            content = ("Rename the variables of this Python function to longer, clearer names and write out the "
-                       f"whole function:\n```python\n{rng.choice(functions)}\n```")
+            content = f"Add a docstring to this Python function. Write out the whole function:\n```python\n{rng.choice(functions)}\n```"
         elif kind == "correct text":
-            content = ("Correct the spelling mistakes in this text and write out the corrected text in full:\n\n"
-                       + with_typos(rng.choice(paragraphs), rng))
+            content = "Rewrite this text with its spelling mistakes fixed:\n\n" + with_typos(rng.choice(paragraphs), rng)
         else:
             people = [(rng.choice(FIRST_NAMES), rng.choice(LAST_NAMES), rng.choice(CITIES)) for _ in range(6)]
             records = "\n".join(f"- {first} {last} (id {rng.randrange(1000, 9999)}) lives in {city} and works as an "

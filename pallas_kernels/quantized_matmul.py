@@ -125,11 +125,11 @@ def fma_f32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 
 def quantized_matmul_reference(x: np.ndarray, format: str, weights: np.ndarray,
-                               scales: np.ndarray | None = None) -> np.ndarray:
+                               scales: np.ndarray | None = None, num_rows: int | None = None) -> np.ndarray:
     """out [T, out] computed with the native kernel's f32 operations in its order: per output
     element, 16 lane sums over the blocks in order (acc = fma(x_lo, w_lo, acc), then
     fma(x_hi, w_hi, acc), each rounded once to f32), then a halving tree over the lanes, then the int8
-    row scale."""
+    row scale. Rows of x from `num_rows` on come out zero, as the kernel leaves padding rows."""
     x = np.asarray(x, np.float32)
     weights = np.asarray(weights)
     check_weights(format, weights.shape, x.shape[1], None if scales is None else np.shape(scales))
@@ -145,7 +145,10 @@ def quantized_matmul_reference(x: np.ndarray, format: str, weights: np.ndarray,
         width //= 2
         acc = acc[..., :width] + acc[..., width:2 * width]
     out = acc[..., 0]
-    return out * np.asarray(scales, np.float32)[None, :] if format == "int8" else out
+    out = out * np.asarray(scales, np.float32)[None, :] if format == "int8" else out
+    if num_rows is not None:
+        out[max(num_rows, 0):] = 0.0
+    return out
 
 
 def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -191,25 +194,32 @@ def quantized_matmul_xla(x: jax.Array, format: str, weights: jax.Array, scales: 
 
 # ---- native (CPU) ---------------------------------------------------------------------------------
 
-def quantized_matmul_native(x: jax.Array, format: str, weights: jax.Array, scales: jax.Array | None = None) -> jax.Array:
-    """The C++ kernel; raises NativeUnavailable unless pallas_kernels.native's library is loaded."""
+def quantized_matmul_native(x: jax.Array, format: str, weights: jax.Array, scales: jax.Array | None = None,
+                            num_rows: jax.Array | int | None = None) -> jax.Array:
+    """The C++ kernel; raises NativeUnavailable unless pallas_kernels.native's library is loaded.
+    Rows of x from `num_rows` on (a traced or static count; None: all) are skipped and come out zero."""
     from pallas_kernels import native
 
     native._require_loaded()
     call = jax.ffi.ffi_call(native.MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], weights.shape[0]), jnp.float32))
     scales = jnp.zeros((0,), jnp.float32) if scales is None else scales.astype(jnp.float32)
-    return call(x.astype(jnp.float32), weights, scales, format=np.int32(FORMATS.index(format)))
+    rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32).reshape(())
+    return call(x.astype(jnp.float32), weights, scales, rows, format=np.int32(FORMATS.index(format)))
 
 
 @functools.partial(jax.jit, static_argnames=("format", "cpu_native", "native_max_tokens"))
-def quantized_matmul(x: jax.Array, format: str, weights: jax.Array, scales: jax.Array | None = None, *,
-                     cpu_native: bool = True, native_max_tokens: int = NATIVE_MAX_TOKENS) -> jax.Array:
+def quantized_matmul(x: jax.Array, format: str, weights: jax.Array, scales: jax.Array | None = None,
+                     num_rows: jax.Array | None = None, *, cpu_native: bool = True,
+                     native_max_tokens: int = NATIVE_MAX_TOKENS) -> jax.Array:
     """x [T, in] (any float dtype) -> f32 [T, out]. On CPU the native kernel when `cpu_native` (the
     caller checked the library loaded) and T <= native_max_tokens, on every other platform and for
     larger T XLA's dequantize-then-dot: both lowerings are in the program, so one jitted function
-    serves CPU and GPU (and lowers for CUDA on a CPU machine)."""
+    serves CPU and GPU (and lowers for CUDA on a CPU machine). `num_rows`: how many leading rows of x
+    are real (a step's tokens before its bucket's padding); the native kernel computes only those and
+    gives zeros after them, XLA's dot computes every row. Real rows are the same either way."""
     check_weights(format, weights.shape, x.shape[-1], None if scales is None else scales.shape)
     xla = lambda: quantized_matmul_xla(x, format, weights, scales)  # noqa: E731
     if not cpu_native or x.shape[0] > native_max_tokens:
         return xla()
-    return jax.lax.platform_dependent(cpu=lambda: quantized_matmul_native(x, format, weights, scales), default=xla)
+    return jax.lax.platform_dependent(cpu=lambda: quantized_matmul_native(x, format, weights, scales, num_rows),
+                                      default=xla)

@@ -118,6 +118,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order; static: the batch, finished members included
         self.num_preemptions = 0
         self._num_decoding = 0  # requests decoding in the step being planned (_count_decoding)
+        self._drafts_left = 0  # drafts the step being planned may still verify (DraftPolicy.step_drafts)
 
     # ---- queue ---------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -182,15 +183,17 @@ class Scheduler:
         """Requests decoding this step (the draft policy's measure of the batch)."""
         self._num_decoding = sum(1 for r in self.running if r.status == RequestStatus.RUNNING
                                  and r.num_uncomputed_tokens == 1)
+        self._drafts_left = 0 if self.drafts is None else self.drafts.step_drafts(self._num_decoding)
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """The drafts a decoding request verifies this step (none while it prefills)."""
         if self.drafts is None or request.num_uncomputed_tokens != 1:
             return []
-        k = self.drafts.num_drafts(request, self._num_decoding, budget, self.max_model_len)
+        k = self.drafts.num_drafts(request, self._num_decoding, min(budget, self._drafts_left), self.max_model_len)
         drafts = request.draft_token_ids[:k]
         if request.grammar is not None:  # only drafts the grammar allows: no violation can be accepted
             drafts = drafts[:request.grammar.valid_prefix(drafts)]
+        self._drafts_left -= len(drafts)
         return drafts
 
     def _lookahead(self, request: Request) -> int:

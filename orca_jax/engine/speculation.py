@@ -4,9 +4,11 @@ The runner proposes drafts on the device (runner/speculation.py) and returns the
 tokens; the scheduler asks `DraftPolicy.num_drafts` how many of them a request verifies next (each
 one is a token of compute and a KV slot). Speculation only pays while extra rows are nearly free:
 
-- batch size: with `disable_by_batch_size` or more requests decoding at once a step is already
-  compute-bound on a CPU (DESIGN.md: batch >= 16 for SmolLM2), where a draft row costs what a
-  decode row costs, so nobody drafts;
+- batch size: a step of more than `disable_by_batch_size` rows is compute-bound on a CPU (the
+  native matmuls read each weight once for up to 8 rows; DESIGN.md: batch >= 16 for SmolLM2),
+  where a draft row costs what a decode row costs. So the drafts of a step, all requests together,
+  fill at most the rows its decodes leave below that size, and nobody drafts while that many
+  requests decode;
 - acceptance: each request keeps its own estimate of the chance that a draft is accepted (drafts
   are accepted as a chain, so a run of a accepted then a miss is a + 1 Bernoulli trials with a
   successes); it verifies the j drafts whose chance of all being accepted, rate^j, is at least
@@ -62,6 +64,11 @@ class DraftPolicy:
         """KV slots past a step's tokens that the proposer writes while proposing: a draft model
         decodes k tokens ahead (runner/draft_model.py); n-grams write none."""
         return self.config.num_speculative_tokens if self.config.method == "draft_model" else 0
+
+    def step_drafts(self, num_decoding: int) -> int:
+        """The most drafts one step verifies, all its requests together, with `num_decoding` requests
+        decoding: its rows (decodes + drafts) stay within disable_by_batch_size."""
+        return max(0, self.config.disable_by_batch_size - num_decoding)
 
     def proposes(self, num_decoding: int) -> bool:
         """Whether the device should propose drafts after this step: a draft model's k decode steps

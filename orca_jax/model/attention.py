@@ -43,6 +43,9 @@ class AttentionMetadata:
     slot_mapping: Int[Array, " T"] | None = None  # cache slot each new K/V is written to
     block_tables: Int[Array, "S max_pages"] | None = None  # KV pages of each sequence
     kv_lens: Int[Array, " S"] | None = None  # cached tokens per sequence after this call's writes
+    # Tokens before the bucket's padding (a step's tokens come first): the native matmuls skip the
+    # rows after it. None: every row is real.
+    num_tokens: Int[Array, ""] | None = None
 
 
 def attend(
@@ -117,13 +120,14 @@ class Attention(nnx.Module):
         self, x: Float[Array, "T D"], meta: AttentionMetadata, kv: KVCache | None = None,
         attention: PagedAttention = paged_attention,
     ) -> tuple[Float[Array, "T D"], KVCache | None]:
-        q, k, v = self.q(x), self.k(x), self.v(x)  # [T, H, Dh], [T, K, Dh], [T, K, Dh]
+        rows = meta.num_tokens
+        q, k, v = self.q(x, rows), self.k(x, rows), self.v(x, rows)  # [T, H, Dh], [T, K, Dh], [T, K, Dh]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
             q = apply_rope(q, meta.positions, self.rope_theta, self.rope_scaling)
             k = apply_rope(k, meta.positions, self.rope_theta, self.rope_scaling)
         if kv is None:
-            return self.o(attend(q, k, v, meta, self.sm_scale, **self.options)), None
+            return self.o(attend(q, k, v, meta, self.sm_scale, **self.options), rows), None
         out, kv = attention(q, k, v, kv, meta, sm_scale=self.sm_scale, **self.options)
-        return self.o(out), kv
+        return self.o(out, rows), kv

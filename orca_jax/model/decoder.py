@@ -52,7 +52,7 @@ class DecoderLayer(nnx.Module):
         if self.post_attn_norm is not None:
             attn_out = self.post_attn_norm(attn_out)
         x = x + attn_out
-        mlp_out = self.mlp(self.mlp_norm(x))
+        mlp_out = self.mlp(self.mlp_norm(x), meta.num_tokens)
         if self.post_mlp_norm is not None:
             mlp_out = self.post_mlp_norm(mlp_out)
         return x + mlp_out, kv

@@ -49,10 +49,13 @@ class Dense(nnx.Module):
         self.quantized: Quantized | None = None
         self.scales: nnx.Param | None = nnx.data(None)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, num_rows: Int[Array, ""] | None = None) -> jax.Array:
+        """`num_rows`: x's leading rows that are real (AttentionMetadata.num_tokens); the native
+        kernel skips the others, which then hold zeros (before the bias)."""
         if self.quantized is not None:
             rows = x.reshape(-1, math.prod(x.shape[x.ndim - self.num_in_axes:]))
-            y = self.quantized.matmul(rows, self.kernel[...], None if self.scales is None else self.scales[...]).astype(x.dtype)
+            y = self.quantized.matmul(rows, self.kernel[...], None if self.scales is None else self.scales[...],
+                                      num_rows).astype(x.dtype)
             y = y.reshape(x.shape[:x.ndim - self.num_in_axes] + self.out_shape)
         else:
             y = jnp.tensordot(x, self.kernel[...], axes=self.num_in_axes)
@@ -122,8 +125,9 @@ class SwiGLU(nnx.Module):
         self.up = Dense((d_model,), (d_ff,), ("embed",), ("mlp",), use_bias=False, dtype=dtype, rngs=rngs)
         self.down = Dense((d_ff,), (d_model,), ("mlp",), ("embed",), use_bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
-        return self.down(GATE_ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
+    def __call__(self, x: Float[Array, "T D"], num_rows: Int[Array, ""] | None = None) -> Float[Array, "T D"]:
+        gated = GATE_ACTIVATIONS[self.activation](self.gate(x, num_rows)) * self.up(x, num_rows)
+        return self.down(gated, num_rows)
 
 
 class GeluMLP(nnx.Module):
@@ -133,5 +137,5 @@ class GeluMLP(nnx.Module):
         self.up = Dense((d_model,), (d_ff,), ("embed",), ("mlp",), use_bias=True, dtype=dtype, rngs=rngs)
         self.down = Dense((d_ff,), (d_model,), ("mlp",), ("embed",), use_bias=True, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
-        return self.down(jax.nn.gelu(self.up(x), approximate=True))
+    def __call__(self, x: Float[Array, "T D"], num_rows: Int[Array, ""] | None = None) -> Float[Array, "T D"]:
+        return self.down(jax.nn.gelu(self.up(x, num_rows), approximate=True), num_rows)

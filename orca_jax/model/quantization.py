@@ -52,8 +52,9 @@ class Quantized:
     cpu_native: bool  # the native kernel is loaded: CPU programs call it
     native_max_tokens: int = NATIVE_MAX_TOKENS  # calls of more rows use XLA's dequantize-then-dot
 
-    def matmul(self, x: jax.Array, weights: jax.Array, scales: jax.Array | None) -> jax.Array:
-        return quantized_matmul(x, self.format, weights, scales, cpu_native=self.cpu_native,
+    def matmul(self, x: jax.Array, weights: jax.Array, scales: jax.Array | None,
+               num_rows: jax.Array | None = None) -> jax.Array:
+        return quantized_matmul(x, self.format, weights, scales, num_rows, cpu_native=self.cpu_native,
                                 native_max_tokens=self.native_max_tokens)
 
     def dequantize(self, rows: jax.Array, scales: jax.Array | None) -> jax.Array:

@@ -81,7 +81,9 @@ class StepInputs:
     def of(cls, plan: StepPlan) -> "StepInputs":
         attention = AttentionMetadata(positions=plan.positions, segment_ids=plan.segment_ids,
                                       slot_mapping=plan.slot_mapping, block_tables=plan.block_tables,
-                                      kv_lens=plan.kv_lens)
+                                      kv_lens=plan.kv_lens,
+                                      # Static batches' finished members are computed, as FasterTransformer's.
+                                      num_tokens=np.int32(plan.num_real_tokens + plan.num_padding_seqs))
         return cls(token_ids=plan.token_ids, attention=attention, logits_index=plan.logits_index)
 
 

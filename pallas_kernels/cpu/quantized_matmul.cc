@@ -3,6 +3,9 @@
 //
 //   out[t, o] = sum_i x[t, i] * W[o, i]     x f32 [T, in], W quantized [out, ...], out f32 [T, out]
 //
+// Only the first num_rows rows of x are computed (a step's real tokens; the bucket's padding rows
+// after them come out zero), so a step of 5 tokens in the 8-token bucket multiplies 5 rows.
+//
 // W's rows are read as stored: GGUF blocks of 32 weights (Q4_0, Q4_1, Q8_0: an f16 scale, an f16
 // minimum for Q4_1, then 16 bytes of nibble pairs or 32 int8) or int8 rows with one f32 scale per
 // row, or plain f32 rows (a float model's matrix, transposed). Each 32-weight block is dequantized
@@ -131,7 +134,8 @@ ItemFn pick(Format f) {
 }
 
 ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                           ffi::Buffer<ffi::F32> scales, ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t format) {
+                           ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> num_rows,
+                           ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t format) {
   // Shapes are validated in Python (the wrapper names the argument); these checks keep a direct
   // caller from reading out of bounds.
   if (format < 0 || format >= kNumFormats) return ffi::Error::InvalidArgument("quantized_matmul_native: unknown format");
@@ -153,10 +157,16 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
       (int8 && static_cast<int64_t>(scales.element_count()) != p.out_features) ||
       out->dimensions().size() != 2 || out->dimensions()[0] != p.tokens || out->dimensions()[1] != p.out_features)
     return ffi::Error::InvalidArgument("quantized_matmul_native: inconsistent shapes");
+  if (num_rows.element_count() != 1)
+    return ffi::Error::InvalidArgument("quantized_matmul_native: num_rows must hold one int32");
   p.x = x.typed_data();
   p.w = static_cast<const uint8_t*>(w.untyped_data());
   p.scales = scales.typed_data();
   p.out = out->typed_data();
+  // Rows from num_rows on are a step's bucket padding: not computed, zeros (finite for what follows).
+  const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, p.tokens);
+  std::fill(p.out + rows * p.out_features, p.out + p.tokens * p.out_features, 0.0f);
+  p.tokens = rows;
   if (p.tokens == 0 || p.out_features == 0) return ffi::Error::Success();
   const ItemFn run = pick(f);
   const int64_t items = (p.out_features + kRowsPerItem - 1) / kRowsPerItem;
@@ -176,5 +186,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OrcaQuantizedMatmul, QuantizedMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, in]
                                   .Arg<ffi::AnyBuffer>()  // w [out, row bytes] u8 or s8, or f32 [out, in]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [out] (int8) or [0]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_rows []: rows of x to compute
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, out]
                                   .Attr<int32_t>("format"));

@@ -143,6 +143,19 @@ def test_no_drafts_at_or_above_disable_by_batch_size():
     assert engine.drafts.stats.num_draft_tokens > 0  # once the short requests finished, the rest drafted
 
 
+def test_a_step_verifies_at_most_the_rows_its_decodes_leave_below_disable_by_batch_size():
+    """Drafts of all requests together fill at most disable_by_batch_size - decodes rows: 2 decodes
+    with 3 drafts each at a limit of 6 verify 4 in all, not 6 (the step stays memory-bound)."""
+    engine = spec_engine("chunked", right_drafts, disable_by_batch_size=6, max_num_seqs=4)
+    run(engine, [([i + 1, i + 2], 12) for i in range(2)])
+    decoding = [plan for plan in engine.schedules if all(p.num_new_tokens == 1 + len(p.draft_token_ids)
+                                                         for p in plan.scheduled) and len(plan.scheduled) == 2]
+    assert decoding, "no step decoded both requests"
+    for plan in decoding:
+        assert plan.num_draft_tokens <= 6 - 2
+    assert max(plan.num_draft_tokens for plan in decoding) == 4  # the first in order got K = 3, the next 1
+
+
 def test_failing_drafts_drop_to_none_then_probe():
     engine = spec_engine("chunked", wrong_drafts, max_num_seqs=1)
     run(engine, [([1, 2], 60)])

@@ -68,6 +68,24 @@ def test_a_token_gets_the_same_bits_alone_or_in_a_batch(restore_isa):
         np.testing.assert_array_equal(np.asarray(native_matmul(x[t:t + 1], "q4_1", weights, None))[0], batched[t])
 
 
+@pytest.mark.parametrize("format", ["q4_1", "f32"])
+def test_rows_past_num_rows_are_skipped_as_padding(restore_isa, format):
+    """A step's bucket padding (rows from num_rows on) is not computed: zeros, while the real rows keep
+    their bits. The count arrives at run time, so one compiled program serves every count."""
+    rng = np.random.default_rng(13)
+    weights, scales = quantized(format, rng.standard_normal((130, 576)).astype(np.float32))
+    x = rng.standard_normal((8, 576)).astype(np.float32)
+    full = qm.quantized_matmul_reference(x, format, weights, scales)
+    program = jax.jit(lambda x, w, n: qm.quantized_matmul(x, format, w, None, n))
+    for isa in native.supported_isas():
+        native.select_isa(isa)
+        for rows in (0, 1, 5, 8):
+            got = np.asarray(program(x, weights, np.int32(rows)))
+            np.testing.assert_array_equal(got[:rows], full[:rows], err_msg=f"{format} {isa} rows={rows}")
+            np.testing.assert_array_equal(got[rows:], 0.0, err_msg=f"{format} {isa} rows={rows}")
+            np.testing.assert_array_equal(got, qm.quantized_matmul_reference(x, format, weights, scales, rows))
+
+
 def test_the_reference_fma_rounds_once_even_at_a_halfway_f64_sum():
     """4097 * 4097 = 2^24 + 2^13 + 1 lies halfway between two f32; adding +-2^-40 moves the exact
     value off the tie, but the f64 sum rounds back onto it, so rounding that f64 to f32 (ties to
