@@ -42,9 +42,9 @@ CASES = ("copy1", "copy16", "throughput16")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
-def modes(draft_model: str, names: list[str]) -> dict:
-    every = {"off": None, "ngram": NGRAM,
-             "draft_model": {"method": "draft_model", "model": draft_model, "num_speculative_tokens": 4}}
+def modes(draft_model: str, names: list[str], k: int = 4) -> dict:
+    every = {"off": None, "ngram": NGRAM | {"num_speculative_tokens": k},
+             "draft_model": {"method": "draft_model", "model": draft_model, "num_speculative_tokens": k}}
     return {name: every[name] for name in names}
 
 
@@ -55,37 +55,48 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def run(llm: LLM, workload, concurrency: int, ignore_eos: bool) -> dict:
-    """The workload through a fresh engine on the LLM's compiled runner, `concurrency` at a time
-    (1: each request alone, one after the other)."""
-    config = dataclasses.replace(llm.config, scheduler=dataclasses.replace(llm.config.scheduler, max_num_seqs=concurrency))
-    engine = LLMEngine(config, llm.engine.model_config, llm.runner, llm.tokenizer, llm.engine.max_model_len)
+def run(llms: dict[str, LLM], workload, concurrency: int, ignore_eos: bool) -> tuple[dict, dict]:
+    """The workload through a fresh engine per mode on its LLM's compiled runner, `concurrency` at a
+    time: 1 is each request alone, one after the other, and then every mode serves a request before
+    the next one comes, so a slow spell of this shared host falls on all modes alike. Returns each
+    mode's figures and outputs (token ids in workload order)."""
+    engines = {}
+    for mode, llm in llms.items():
+        config = dataclasses.replace(llm.config, scheduler=dataclasses.replace(llm.config.scheduler,
+                                                                               max_num_seqs=concurrency))
+        engines[mode] = LLMEngine(config, llm.engine.model_config, llm.runner, llm.tokenizer, llm.engine.max_model_len)
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=ignore_eos) for r in workload]
-    outputs, first_token_at, decode_s = {}, {}, 0.0
-    start = time.perf_counter()
+    outputs = {mode: {} for mode in llms}
+    wall, decode_s = dict.fromkeys(llms, 0.0), dict.fromkeys(llms, 0.0)
     batches = [list(range(len(workload)))] if concurrency > 1 else [[i] for i in range(len(workload))]
     for batch in batches:
-        ids = {engine.add_request(workload[i].prompt_token_ids, params[i]): i for i in batch}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                now = time.perf_counter()
-                first_token_at.setdefault(out.request_id, now)
-                if out.finished:
-                    outputs[ids[out.request_id]] = out.outputs[0].token_ids
-                    decode_s += now - first_token_at[out.request_id]
-    wall = time.perf_counter() - start
-    # Decoding: each request's tokens after its first, over the time from its first token to its last
-    # (1 / TPOT; the prefill before the first token costs the same with speculation or without).
-    decode_tokens = sum(len(tokens) - 1 for tokens in outputs.values())
-    result = {"generated_tokens": engine.num_generated_tokens, "wall_s": wall, "steps": engine.num_steps,
-              "tokens_per_s": engine.num_generated_tokens / wall,
-              "decode_tokens_per_s": decode_tokens / decode_s if decode_s else 0.0}
-    if engine.drafts is not None:
-        s = engine.drafts.stats
-        result |= {"draft_tokens": s.num_draft_tokens, "accepted_tokens": s.num_accepted_tokens,
-                   "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
-                   "accepted_per_position": s.accepted_per_position}
-    return result, [outputs[i] for i in range(len(workload))]
+        for mode, engine in engines.items():
+            first_token_at = {}
+            start = time.perf_counter()
+            ids = {engine.add_request(workload[i].prompt_token_ids, params[i]): i for i in batch}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    now = time.perf_counter()
+                    first_token_at.setdefault(out.request_id, now)
+                    if out.finished:
+                        outputs[mode][ids[out.request_id]] = out.outputs[0].token_ids
+                        decode_s[mode] += now - first_token_at[out.request_id]
+            wall[mode] += time.perf_counter() - start
+    figures = {}
+    for mode, engine in engines.items():
+        # Decoding: each request's tokens after its first, over the time from its first token to its
+        # last (1 / TPOT; the prefill before the first token costs the same with speculation or without).
+        decode_tokens = sum(len(tokens) - 1 for tokens in outputs[mode].values())
+        result = {"generated_tokens": engine.num_generated_tokens, "wall_s": wall[mode], "steps": engine.num_steps,
+                  "tokens_per_s": engine.num_generated_tokens / wall[mode],
+                  "decode_tokens_per_s": decode_tokens / decode_s[mode] if decode_s[mode] else 0.0}
+        if engine.drafts is not None:
+            s = engine.drafts.stats
+            result |= {"draft_tokens": s.num_draft_tokens, "accepted_tokens": s.num_accepted_tokens,
+                       "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
+                       "accepted_per_position": s.accepted_per_position}
+        figures[mode] = result
+    return figures, {mode: [got[i] for i in range(len(workload))] for mode, got in outputs.items()}
 
 
 def step_ms(llm: LLM, num_seqs: int, drafts_per_seq: int, context: int = 200, repeat: int = 10) -> float:
@@ -144,7 +155,7 @@ def plot(results: dict, path: Path) -> None:
         titles.append(f"{mode}, 16 sequences: {without:.0f} / {with_drafts:.0f} ms")
     steps.set_xlabel("draft tokens verified per sequence (rows - 1)")
     steps.set_ylabel("step ms")
-    steps.set_title("\n".join(titles) + " (0 / 4 drafts each)", fontsize=8)
+    steps.set_title("\n".join(titles) + f" (0 / {len(cost['one_sequence']) - 1} drafts each)", fontsize=8)
     steps.legend()
     fig.suptitle(results["cpu"], fontsize=8)
     fig.tight_layout()
@@ -157,15 +168,16 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=9, help="copy-heavy requests (three kinds, in turn)")
     parser.add_argument("--throughput-requests", type=int, default=32, help="requests of the throughput workload")
     parser.add_argument("--out", type=Path, default=RESULTS / "spec_new.json",
-                        help="default: a new file beside the committed spec.json")
+                        help="default: a new file beside the committed spec_ngram.json")
     parser.add_argument("--draft-model", default=None, help="draft_model's model (default: the target itself)")
     parser.add_argument("--modes", default="off,ngram,draft_model", help="comma-separated; off always runs")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="k, for ngram and draft_model")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--matmul-impl", choices=MATMUL_IMPL_CHOICES, default="auto",
                         help="the float matrices' matmuls, for every engine (README, matmul_impl)")
     args = parser.parse_args()
     names = ["off"] + [m for m in args.modes.split(",") if m and m != "off"]
-    specs = modes(args.draft_model or args.model, names)
+    specs = modes(args.draft_model or args.model, names, args.num_speculative_tokens)
 
     llms = {mode: LLM(args.model, max_num_seqs=16, max_num_batched_tokens=512, speculative_config=spec,
                       max_model_len=2048, matmul_impl=args.matmul_impl, show_progress=False)
@@ -181,9 +193,7 @@ def main() -> None:
                "matmul_impl": llms["off"].runner.matmul_impl,
                "speculative_config": {m: spec for m, spec in specs.items() if spec}, "cases": {}}
     for case, (workload, concurrency, ignore_eos) in cases.items():
-        figures, outputs = {}, {}
-        for mode, llm in llms.items():
-            figures[mode], outputs[mode] = run(llm, workload, concurrency, ignore_eos)
+        figures, outputs = run(llms, workload, concurrency, ignore_eos)
         off = figures["off"]
         line = f"{case:24s} off {off['tokens_per_s']:6.1f} tok/s (decoding {off['decode_tokens_per_s']:.1f})"
         for mode in names[1:]:
@@ -198,12 +208,14 @@ def main() -> None:
         results["cases"][case] = figures
         print(line, flush=True)
     results["step_cost_ms"] = {}
+    k = args.num_speculative_tokens
     for mode in names[1:]:
-        cost = results["step_cost_ms"][mode] = {"one_sequence": [step_ms(llms[mode], 1, j) for j in range(5)],
+        cost = results["step_cost_ms"][mode] = {"one_sequence": [step_ms(llms[mode], 1, j) for j in range(k + 1)],
                                                 "sixteen_sequences": [step_ms(llms[mode], 16, 0),
-                                                                      step_ms(llms[mode], 16, 4)]}
-        print(f"{mode} step ms, 1 sequence with 0..4 drafts: " + ", ".join(f"{ms:.1f}" for ms in cost["one_sequence"])
-              + f"; 16 sequences with 0 / 4 drafts: {cost['sixteen_sequences'][0]:.1f} / "
+                                                                      step_ms(llms[mode], 16, k)]}
+        print(f"{mode} step ms, 1 sequence with 0..{k} drafts: "
+              + ", ".join(f"{ms:.1f}" for ms in cost["one_sequence"])
+              + f"; 16 sequences with 0 / {k} drafts: {cost['sixteen_sequences'][0]:.1f} / "
               f"{cost['sixteen_sequences'][1]:.1f}")
     print(f"compilations after warm-up: {[llm.num_compilations_after_warmup for llm in llms.values()]}")
     results["compilations_after_warmup"] = {mode: llm.num_compilations_after_warmup for mode, llm in llms.items()}

@@ -356,8 +356,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # tokens: the longest suffix n-gram searched (ngram)
     prompt_lookup_min: int = 2  # tokens: the shortest one that counts as a match (ngram)
     model: str | None = None  # draft_model: preset name or checkpoint directory
-    # Drafts are given only while fewer requests than this are decoding at once: a larger batch is
-    # compute-bound on a CPU, where every draft row costs as much as a decode (README, "Speculative decoding").
+    # A step's rows (decodes + drafts) stay within this many: drafts fill only the rows the decodes
+    # leave, and none are given while this many requests decode. A larger step is compute-bound on a
+    # CPU, where every draft row costs as much as a decode (README, "Speculative decoding"); on a GPU
+    # rows stay cheap far longer: raise it there.
     disable_by_batch_size: int = 8
 
     def __post_init__(self) -> None:
