@@ -148,11 +148,12 @@ def run_layout(llm, lengths: list[tuple[int, int]]) -> dict:
 def stage_times(runner, num_tokens: int, num_seqs: int, rounds: int = 3) -> list[float]:
     """Each stage's program alone on a padding step of this bucket: the best of `rounds` runs."""
     import jax
+    import numpy as np
 
     from orca_jax.engine.step_plan import padding_plan
 
     plan = padding_plan(num_tokens, num_seqs, runner.kv_layout, runner.config.vocab_size)
-    plan.num_real_tokens = num_tokens  # every row computed, as a full bucket
+    plan.num_real_tokens, plan.sampling.num_real_rows = num_tokens, np.int32(num_seqs)  # a full bucket
     times, x = [], None
     for stage in runner.stages:
         if x is not None:

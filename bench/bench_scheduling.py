@@ -181,7 +181,8 @@ def step_plan(runner, num_tokens: int, num_seqs: int, context: int) -> StepPlan:
         inputs.kv_lens[row] = context + n
         inputs.logits_index[row] = t + n - 1
         t += n
-    inputs.num_real_tokens = num_tokens  # the padding after them is skipped, as in a real step
+    # The padding after them is skipped, as in a real step.
+    inputs.num_real_tokens, inputs.sampling.num_real_rows = num_tokens, np.int32(num_seqs)
     return inputs
 
 

@@ -124,7 +124,7 @@ def step_ms(llm: LLM, num_seqs: int, drafts_per_seq: int, context: int = 200, re
         plan.slot_mapping[tokens] = table[positions // runner.page_size] * runner.page_size + positions % runner.page_size
         plan.kv_lens[seq] = context + n
         plan.logits_index[seq * n:(seq + 1) * n] = np.arange(seq * n, (seq + 1) * n)
-    plan.num_real_tokens = num_seqs * n
+    plan.num_real_tokens, plan.sampling.num_real_rows = num_seqs * n, np.int32(num_seqs * n)
     jax.device_get(runner.run_plan(plan))
     start = time.perf_counter()
     for _ in range(repeat):

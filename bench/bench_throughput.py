@@ -85,7 +85,7 @@ def decode_flops(llm: LLM, num_seqs: int, context: int) -> dict:
                             + (context - 1) % runner.page_size)
     plan.kv_lens[:num_seqs] = context
     plan.logits_index[:num_seqs] = np.arange(num_seqs)
-    plan.num_real_tokens = num_seqs
+    plan.num_real_tokens, plan.sampling.num_real_rows = num_seqs, np.int32(num_seqs)
     seconds = timed(lambda: jax.device_get(runner.run_plan(plan)))
     step_flop = 2 * config.num_params() * num_seqs
     big = jnp.ones((1024, 1024), jnp.float32)

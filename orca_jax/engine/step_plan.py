@@ -144,6 +144,7 @@ class SamplingArrays:
     bias_values: np.ndarray  # [S, MAX_LOGIT_BIAS] float32
     use_logit_bias: np.bool_
     need_logprobs: np.bool_
+    num_real_rows: np.int32 | None = None  # rows before the bucket's padding
 
 
 @dataclasses.dataclass
@@ -364,6 +365,7 @@ def sampling_arrays(rows: list[tuple[Request, list[int]]], num_rows: int, vocab_
         bias_values=bias_values,
         use_logit_bias=np.bool_(any(r.params.logit_bias for r in requests)),
         need_logprobs=np.bool_(any(r.params.logprobs is not None for r in requests)),
+        num_real_rows=np.int32(len(rows)),
     )
 
 

@@ -146,10 +146,11 @@ class DecoderStage(nnx.Module):
         x, kv_caches = run_layers(self.layers, x, meta, kv_caches, attention)
         return (x[logits_index] if self.last else x), kv_caches
 
-    def logits(self, x: Float[Array, "S D"]) -> Float[Array, "S V"]:
+    def logits(self, x: Float[Array, "S D"], num_rows: Int[Array, ""] | None = None) -> Float[Array, "S V"]:
         """The last stage's final norm and LM head, apart from the layers: the runner compiles this
-        per sequence bucket and the layers per token bucket only."""
-        return project_logits(self.final_norm, self.head, x, None, self.config.final_logit_softcap)
+        per sequence bucket and the layers per token bucket only. Rows from `num_rows` on are the
+        bucket's padding (the native matmul leaves them zero)."""
+        return project_logits(self.final_norm, self.head, x, None, self.config.final_logit_softcap, num_rows)
 
 
 def embed_tokens(embed: Embed, pos_embed: Embed | None, token_ids: Int[Array, " T"],
@@ -170,12 +171,13 @@ def run_layers(layers, x: Float[Array, "T D"], meta: AttentionMetadata, kv_cache
 
 
 def project_logits(final_norm, head: Embed, x: Float[Array, "T D"], logits_index: Int[Array, " S"] | None,
-                   soft_cap: float | None = None) -> Float[Array, "T V"] | Float[Array, "S V"]:
+                   soft_cap: float | None = None,
+                   num_rows: Int[Array, ""] | None = None) -> Float[Array, "T V"] | Float[Array, "S V"]:
     """Float32 logits at every token, or only at `logits_index` (each sequence's last token when
     generating, which skips most of the LM head); soft-capped (cap * tanh(l / cap)) if asked (Gemma 2)."""
     if logits_index is not None:
         x = x[logits_index]  # [S, D]
-    logits = head.attend(final_norm(x)).astype(jnp.float32)
+    logits = head.attend(final_norm(x), num_rows).astype(jnp.float32)
     return logits if soft_cap is None else soft_cap * jnp.tanh(logits / soft_cap)
 
 

@@ -106,10 +106,10 @@ class Embed(nnx.Module):
         scales = None if self.scales is None else jnp.take(self.scales[...], ids, axis=0)
         return self.quantized.dequantize(rows, scales).astype(self.dtype)
 
-    def attend(self, x: Float[Array, "T D"]) -> Float[Array, "T V"]:
+    def attend(self, x: Float[Array, "T D"], num_rows: Int[Array, ""] | None = None) -> Float[Array, "T V"]:
         if self.quantized is not None:
             scales = None if self.scales is None else self.scales[...]
-            return self.quantized.matmul(x, self.embedding[...], scales).astype(x.dtype)
+            return self.quantized.matmul(x, self.embedding[...], scales, num_rows).astype(x.dtype)
         return jnp.einsum("td,vd->tv", x, self.embedding[...])
 
 

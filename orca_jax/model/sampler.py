@@ -44,6 +44,8 @@ class SamplingMetadata:
     bias_values: Float[Array, "S B"]
     use_logit_bias: Bool[Array, ""]
     need_logprobs: Bool[Array, ""]
+    # Rows before the bucket's padding: the LM head's native matmul skips the others (None: all real).
+    num_real_rows: Int[Array, ""] | None = None
 
 
 @jax.tree_util.register_dataclass

@@ -111,6 +111,7 @@ def decode_plan(data: bytes) -> StepPlan:
     sampling = {name: arrays.get(f"sampling.{name}") for name in _SAMPLING_FIELDS}
     for flag in ("use_penalties", "use_bitmask", "use_logit_bias", "need_logprobs"):
         sampling[flag] = np.bool_(sampling[flag])  # encoded as 0-d arrays, kept as numpy scalars
+    sampling["num_real_rows"] = np.int32(sampling["num_real_rows"])
     speculation = None
     if speculating:
         fields = {name: arrays[f"speculation.{name}"] for name in _SPECULATION_FIELDS}

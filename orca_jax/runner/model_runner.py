@@ -266,7 +266,7 @@ class ModelRunner:
             sampling: SamplingMetadata = packed_sampling.unpack()
             num_rows = sampling.temperature.shape[0]  # the row bucket: only its rows get logits
             head = nnx.merge(graphdef, jax.tree.unflatten(param_treedef, param_leaves))
-            logits = head.logits(row_tokens[:num_rows])
+            logits = head.logits(row_tokens[:num_rows], sampling.num_real_rows)
             sampled = sample(logits, sampling)
             if packed_speculation is None:
                 return sampled

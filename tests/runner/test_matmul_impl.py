@@ -2,10 +2,12 @@
 transposed to rows ("native", what "auto" picks on CPU), the larger ones in XLA's dot; "xla" keeps
 XLA's dot everywhere (the reference). Both give the same tokens, and logprobs equal up to rounding."""
 
+import jax
+import numpy as np
 import pytest
 
 from orca_jax.config import ConfigError, EngineConfig, ParallelConfig
-from orca_jax.engine.step_plan import Buckets
+from orca_jax.engine.step_plan import Buckets, padding_plan
 from orca_jax.model.quantization import resolve_matmul_impl
 from orca_jax.runner.model_runner import ModelRunner
 from orca_jax.sampling_params import SamplingParams
@@ -56,6 +58,20 @@ def test_the_kernel_runs_the_decode_buckets_and_xla_the_larger_ones(native_and_x
     assert KERNEL_TARGET not in xla.stages[0].executables["layers", 1].as_text()
     # The tied head's rows are the embedding itself; its calls of up to 8 rows go to the kernel too.
     assert KERNEL_TARGET in stage.executables["head", 4].as_text()
+
+
+def test_a_steps_padding_rows_are_not_computed(native_and_xla):
+    """One token in the 4-token, 4-row bucket: the head's three padding rows point at the real
+    token's activations (logits_index 0), so computing them would repeat its logits; the kernel
+    skips them instead, leaving zero logits (a uniform distribution: logprob -log V)."""
+    runner, _ = native_and_xla
+    plan = padding_plan(4, 4, runner.kv_layout, runner.config.vocab_size)
+    plan.token_ids[0], plan.segment_ids[0], plan.kv_lens[0], plan.slot_mapping[0] = 5, 0, 1, 0
+    plan.num_real_tokens, plan.sampling.num_real_rows = 1, np.int32(1)
+    logprob = jax.device_get(runner.run_plan(plan)).logprob
+    uniform = -np.log(runner.config.vocab_size)
+    np.testing.assert_allclose(logprob[1:], uniform, rtol=1e-6)
+    assert abs(logprob[0] - uniform) > 0.1  # the real row has the model's logits
 
 
 def test_runners_over_one_model_share_the_transposed_rows(tiny_trained, native_and_xla):
