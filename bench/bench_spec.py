@@ -3,7 +3,8 @@ once, on a copy-heavy workload (answers that repeat their prompt) and on the `th
 
     python bench/bench_spec.py [--num-requests 9] [--throughput-requests 32] [--draft-model NAME]
                                [--modes off,ngram,draft_model] [--cases copy1,copy16,throughput16]
-                               [--matmul-impl auto|native|xla] [--out bench/results/spec_new.json]
+                               [--num-speculative-tokens 4] [--matmul-impl auto|native|xla]
+                               [--out bench/results/spec_new.json]
 
 Every engine runs the same greedy requests (outputs must be identical, token for token; the JSON
 records whether they were); the figures are generated tok/s (prefills included), decoding tok/s
