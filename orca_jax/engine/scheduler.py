@@ -180,7 +180,8 @@ class Scheduler:
         return out
 
     def _count_decoding(self) -> None:
-        """Requests decoding this step (the draft policy's measure of the batch)."""
+        """Requests decoding this step (the draft policy's measure of the batch), and the drafts the
+        step may verify in all."""
         self._num_decoding = sum(1 for r in self.running if r.status == RequestStatus.RUNNING
                                  and r.num_uncomputed_tokens == 1)
         self._drafts_left = 0 if self.drafts is None else self.drafts.step_drafts(self._num_decoding)
@@ -189,7 +190,7 @@ class Scheduler:
         """The drafts a decoding request verifies this step (none while it prefills)."""
         if self.drafts is None or request.num_uncomputed_tokens != 1:
             return []
-        k = self.drafts.num_drafts(request, self._num_decoding, min(budget, self._drafts_left), self.max_model_len)
+        k = self.drafts.num_drafts(request, min(budget, self._drafts_left), self.max_model_len)
         drafts = request.draft_token_ids[:k]
         if request.grammar is not None:  # only drafts the grammar allows: no violation can be accepted
             drafts = drafts[:request.grammar.valid_prefix(drafts)]

@@ -75,10 +75,10 @@ class DraftPolicy:
         cost compute, so not while the batch is too large to verify any (n-grams cost nothing)."""
         return self.config.method != "draft_model" or num_decoding < self.config.disable_by_batch_size
 
-    def num_drafts(self, request: Request, num_decoding: int, budget: int, max_model_len: int) -> int:
-        """Drafts `request` verifies in its next decode step, given `num_decoding` requests decoding
-        in the engine and `budget` tokens left in the step."""
-        if not request.draft_token_ids or num_decoding >= self.config.disable_by_batch_size:
+    def num_drafts(self, request: Request, budget: int, max_model_len: int) -> int:
+        """Drafts `request` verifies in its next decode step, given `budget` draft rows left in the
+        step (its tokens and `step_drafts` both bound it)."""
+        if not request.draft_token_ids:
             return 0
         spec = request.speculation
         rate = (spec.accepted + PRIOR_ACCEPTED) / (spec.trials + PRIOR_TRIALS)

@@ -144,7 +144,7 @@ class SamplingArrays:
     bias_values: np.ndarray  # [S, MAX_LOGIT_BIAS] float32
     use_logit_bias: np.bool_
     need_logprobs: np.bool_
-    num_real_rows: np.int32 | None = None  # rows before the bucket's padding
+    num_real_rows: np.int32  # rows before the bucket's padding
 
 
 @dataclasses.dataclass
