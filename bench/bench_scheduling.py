@@ -73,6 +73,7 @@ class TimingRunner:
     one step at a time (each step is timed whole, so none overlaps another)."""
 
     max_in_flight = 1
+    feeds_sampled_tokens = False  # each step is timed whole, so none is planned ahead of another
 
     def __init__(self, runner):
         self.runner = runner

@@ -152,6 +152,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--policy", choices=SCHEDULING_POLICIES, help="scheduling policy")
     group.add_argument("--max-num-seqs", type=int, help="requests running at once")
     group.add_argument("--max-num-batched-tokens", type=int, help="tokens per forward pass")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="plan and dispatch each step while the one before computes, hiding host work (default "
+                            "on; one pipeline stage, no speculative decoding; --no-async-scheduling steps one at a time)")
     group.add_argument("--page-size", type=int, help="tokens per KV page")
     group.add_argument("--kv-cache-memory", type=byte_size,
                        help="KV cache per device, e.g. 1GiB, 512MiB or bytes (default: sized from "
@@ -276,7 +279,8 @@ def engine_config(args: argparse.Namespace):
                        device_memory_utilization=args.device_memory_utilization,
                        enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=override(base.scheduler, policy=args.policy, max_num_seqs=args.max_num_seqs,
-                           max_num_batched_tokens=args.max_num_batched_tokens),
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           async_scheduling=args.async_scheduling),
         parallel=override(base.parallel, tensor_parallel_size=args.tensor_parallel_size,
                           pipeline_parallel_size=args.pipeline_parallel_size),
         structured_outputs=_structured_outputs_config(base.structured_outputs, args.structured_outputs_config),

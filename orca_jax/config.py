@@ -303,9 +303,14 @@ class SchedulerConfig:
     policy: SchedulingPolicy = "chunked"
     max_num_seqs: int = 32  # requests running at once
     max_num_batched_tokens: int = 512  # tokens in one forward pass (prefill + decode)
+    # vLLM's async scheduling: plan and dispatch the next step while the current one computes
+    # (engine/scheduler.py); applies with one pipeline stage and no speculative decoding
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _check_literal(self, "policy", SCHEDULING_POLICIES)
+        _require(isinstance(self.async_scheduling, bool),
+                 f"SchedulerConfig: async_scheduling must be true or false, got {self.async_scheduling!r}")
         _check_positive(self, "max_num_seqs", "max_num_batched_tokens")
         _require(
             self.max_num_batched_tokens >= self.max_num_seqs,

@@ -29,6 +29,7 @@ class LLM:
         scheduling_policy: str = "chunked",
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 512,
+        async_scheduling: bool = True,
         page_size: int = 16,
         kv_cache_memory: int | None = None,
         device_memory_utilization: float = 0.9,
@@ -59,6 +60,8 @@ class LLM:
         another checkpoint's tokenizer (name or directory). `token_buckets` / `seq_buckets`
         override the compiled step shapes (default: powers of two up to the limits). `config`: a whole
         EngineConfig (e.g. from a TOML file), used instead of the engine keyword arguments.
+        `async_scheduling`: plan and dispatch each step while the one before computes (vLLM's flag;
+        with one pipeline stage and no speculative decoding; the outputs are the same either way).
         `speculative_config`: vLLM's dict (or a SpeculativeConfig), e.g. {"method": "ngram",
         "num_speculative_tokens": 4}; None: no speculative decoding.
         `distributed`: a multihost.DistributedConfig when this process leads others (after
@@ -67,7 +70,8 @@ class LLM:
 
         if config is not None:
             engine_args = dict(model=model, scheduling_policy=scheduling_policy, max_num_seqs=max_num_seqs,
-                               max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
+                               max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling,
+                               page_size=page_size,
                                kv_cache_memory=kv_cache_memory, device_memory_utilization=device_memory_utilization,
                                enable_prefix_caching=enable_prefix_caching,
                                kv_cache_dtype=kv_cache_dtype, attention_impl=attention_impl,
@@ -96,7 +100,8 @@ class LLM:
                               device_memory_utilization=device_memory_utilization,
                               enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(policy=scheduling_policy, max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens),
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      async_scheduling=async_scheduling),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                     pipeline_parallel_size=pipeline_parallel_size),
             speculative_config=(from_dict(SpeculativeConfig, speculative_config, "speculative_config")

@@ -9,7 +9,9 @@ Batches in flight (Orca's n_workers): with a pipelined runner (`runner.max_in_fl
 dispatches a new iteration and returns without waiting while the pipeline has room and the
 scheduler found work for it; it waits only for the oldest iteration's result, when the pipeline is
 full or nothing else can be scheduled. A request is in at most one iteration in flight (the
-scheduler skips `request.in_flight`). With one stage every step dispatches and collects at once.
+scheduler skips `request.in_flight`). With one stage and async scheduling (scheduler.py) two
+steps are in flight the same way, the newer one continuing the older one's requests on tokens the
+runner feeds on the device; without it every step dispatches and collects at once.
 """
 
 from __future__ import annotations
@@ -69,8 +71,13 @@ class LLMEngine:
             raise ValueError(f"speculative_config asks for {spec.num_speculative_tokens} draft tokens but the runner "
                              f"was built for {runner.kv_layout.num_speculative_tokens}; build both from one config")
         self.drafts = None if spec is None else DraftPolicy(spec)
+        # Async scheduling: one stage, no drafts (their verification needs each step's result on
+        # the host), and a runner that feeds sampled tokens
+        self.plans_ahead = (config.scheduler.async_scheduling and runner.max_in_flight == 1 and self.drafts is None
+                            and runner.feeds_sampled_tokens)
+        self.max_in_flight = 2 if self.plans_ahead else runner.max_in_flight  # steps dispatched at once
         self.scheduler = make_scheduler(config.scheduler, self.kv, max_seqs_per_step=per_step, drafts=self.drafts,
-                                        max_model_len=self.max_model_len)
+                                        max_model_len=self.max_model_len, plans_ahead=self.plans_ahead)
         self.output_processor = OutputProcessor(tokenizer, self.max_model_len)
         self._released_by_abort: dict[str, RequestGroup] = {}  # static batches completed by an abort
         self._ids = itertools.count()
@@ -198,13 +205,13 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         touched, self._released_by_abort = self._released_by_abort, {}
         dispatched = False
-        if len(self.in_flight) < self.runner.max_in_flight:
+        if len(self.in_flight) < self.max_in_flight:
             scheduled = self.scheduler.schedule()
             if not scheduled.empty:
                 self._dispatch(scheduled)
                 dispatched = True
         # Keep filling the pipeline while it has room and work; otherwise wait for the oldest step.
-        if self.in_flight and not (dispatched and len(self.in_flight) < self.runner.max_in_flight):
+        if self.in_flight and not (dispatched and len(self.in_flight) < self.max_in_flight):
             scheduled, sampled = self._collect_oldest()
             self._update(scheduled, sampled, touched)
         return self.output_processor.outputs(touched)
@@ -218,14 +225,14 @@ class LLMEngine:
         except Exception as error:
             raise self._step_failed(scheduled, error) from error
         for planned in scheduled.scheduled:
-            planned.request.in_flight = True
+            planned.request.in_flight += 1
         self.in_flight.append((scheduled, pending))
         self.in_flight_depths[len(self.in_flight)] += 1
 
     def _collect_oldest(self) -> tuple[SchedulerOutput, dict[str, StepTokens]]:
         scheduled, pending = self.in_flight.popleft()
         for planned in scheduled.scheduled:
-            planned.request.in_flight = False
+            planned.request.in_flight -= 1
         try:
             sampled = self.runner.collect(pending)
         except RunnerLost:

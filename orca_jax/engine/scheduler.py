@@ -32,6 +32,18 @@ at most `max_seqs_per_step` of them (Orca's batches for its n_workers: the runni
 into about pp batches that take turns in the pipeline; without the cap the first step would take
 them all and the other stages would idle).
 
+Async scheduling (vLLM's `async_scheduling`, one stage only): the next step is planned and
+dispatched while the current one computes, so the host's work (planning, building the plan,
+copying results back, detokenizing) hides behind the device's. A request whose step in flight
+samples a token is planned again right away, one position further on (`_plan_ahead`); its input
+token is that step's sampled token, which the runner feeds on the device (`fed_from_row`), so
+nothing waits for it on the host. A request whose next step needs its result on the host first
+(drafts to verify, a grammar or penalties that depend on the new token, a prompt chunk that
+samples nothing) holds the next plan back until its step is in (`_holds_back`). A request that
+the step in flight ends by length is not planned again; one that a stop token or string ends has
+computed one token too many, which is dropped (its pages were freed, the step in flight writes
+no page another request holds: freed pages are only reused by later steps).
+
 Speculative decoding (engine/speculation.py): a decoding request may also verify draft tokens the
 device proposed after its previous step; they extend its step (1 + k tokens, KV slots allocated
 for all of them) under the same token budget. After the step only the accepted drafts count as
@@ -64,11 +76,16 @@ class ScheduledRequest:
     start: int  # request.num_computed_tokens when scheduled
     draft_token_ids: list[int] = field(default_factory=list)  # verified after the request's last token
     proposes: bool = False  # the device proposes drafts for the request's next step
+    # Async scheduling: planned ahead of its step in flight, its one token is the token that step
+    # samples at this logit row (fed on the device); -1: its tokens are known here
+    fed_from_row: int = -1
+    row: int = -1  # its first logit row in the step's plan (set when the plan is built)
 
     @property
     def samples(self) -> bool:
-        """Whether this step reaches the request's last known token, so a new one is sampled."""
-        return self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens
+        """Whether this step reaches the request's last token, so a new one is sampled."""
+        return self.fed_from_row >= 0 or (
+            self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens)
 
 
 @dataclass
@@ -108,8 +125,10 @@ class Scheduler:
     reserves_whole_requests = False
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_seqs_per_step: int | None = None,
-                 drafts: DraftPolicy | None = None, max_model_len: int = 0):
+                 drafts: DraftPolicy | None = None, max_model_len: int = 0, plans_ahead: bool = False):
+        """`plans_ahead`: async scheduling (the module docstring); the runner must feed sampled tokens."""
         self.config = config
+        self.plans_ahead = plans_ahead
         self.kv = kv
         self.drafts = drafts  # None: no speculative decoding
         self.max_model_len = max_model_len  # tokens per request (caps the drafts)
@@ -156,13 +175,19 @@ class Scheduler:
     # ---- planning ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.plans_ahead and any(self._holds_back(r) for r in self.running):
+            return out  # wait for the step in flight
         budget = self.config.max_num_batched_tokens
         self._count_decoding()
         for request in self._running_order():
-            if request.status != RequestStatus.RUNNING or request.in_flight or budget == 0:
+            if request.status != RequestStatus.RUNNING or budget == 0:
                 continue
             if len(out.scheduled) == self.max_seqs_per_step:
                 break
+            if request.in_flight:
+                if self.plans_ahead and self._plan_ahead(out, request):
+                    budget -= 1
+                continue
             # Without chunked prompts, only the recompute of a preempted request can exceed the budget; it
             # continues in budget-sized pieces.
             num_new = min(request.num_uncomputed_tokens, budget)
@@ -178,6 +203,29 @@ class Scheduler:
         if not out.preempted:  # admitting right after a preemption would only thrash
             self._admit(out, budget)
         return out
+
+    def _holds_back(self, request: Request) -> bool:
+        """Async scheduling: a request in flight whose next step needs that step's result on the
+        host first (see the module docstring)."""
+        planned = request.step_in_flight
+        return bool(request.in_flight) and not request.finished and (
+            not planned.samples or bool(planned.draft_token_ids) or request.grammar is not None
+            or request.params.uses_penalties)
+
+    def _plan_ahead(self, out: SchedulerOutput, request: Request) -> bool:
+        """Async scheduling: plans a request's next decode while its step that samples the token
+        before it is in flight. Not when that step ends it by length, nor when pages run short (a
+        request in flight is not preempted; it waits for its step instead)."""
+        planned = request.step_in_flight
+        start = planned.start + planned.num_new_tokens
+        num_outputs = len(request.output_token_ids) + 1  # with the token of the step in flight
+        if (request.in_flight > 1 or num_outputs >= request.params.max_tokens or start + 1 >= self.max_model_len
+                or not self.kv.allocate(request, start + 1)):
+            return False
+        scheduled = ScheduledRequest(request, 1, start, fed_from_row=planned.row)
+        out.scheduled.append(scheduled)
+        request.step_in_flight = scheduled
+        return True
 
     def _count_decoding(self) -> None:
         """Requests decoding this step (the draft policy's measure of the batch), and the drafts the
@@ -275,8 +323,9 @@ class Scheduler:
 
     def _plan(self, out: SchedulerOutput, request: Request, num_new: int, drafts: list[int] = ()) -> None:
         proposes = self.drafts is not None and self.drafts.proposes(self._num_decoding)
-        out.scheduled.append(ScheduledRequest(request, num_new + len(drafts), request.num_computed_tokens,
-                                              list(drafts), proposes))
+        scheduled = ScheduledRequest(request, num_new + len(drafts), request.num_computed_tokens, list(drafts), proposes)
+        out.scheduled.append(scheduled)
+        request.step_in_flight = scheduled
 
     # ---- after the step ------------------------------------------------------------------
     def update_after_step(self, out: SchedulerOutput, sampled: dict[str, StepTokens]) -> list[Request]:
@@ -286,8 +335,10 @@ class Scheduler:
         advanced = []
         for planned in out.scheduled:
             request = planned.request
+            if request.step_in_flight is planned:
+                request.step_in_flight = None
             if request.finished:
-                continue  # aborted while its step was in flight: its pages are already freed
+                continue  # aborted (or, planned ahead, stopped) while its step was in flight: its pages are freed
             result = sampled[request.request_id] if planned.samples else None
             # Rejected drafts' K/V are written but do not count: the next step overwrites them.
             num_rejected = len(planned.draft_token_ids) - (result.num_accepted if result else 0)
@@ -385,6 +436,6 @@ POLICIES: dict[str, type[Scheduler]] = {
 
 
 def make_scheduler(config: SchedulerConfig, kv: KVCacheManager, max_seqs_per_step: int | None = None,
-                   drafts: DraftPolicy | None = None, max_model_len: int = 0) -> Scheduler:
+                   drafts: DraftPolicy | None = None, max_model_len: int = 0, plans_ahead: bool = False) -> Scheduler:
     """The scheduler of the config's policy."""
-    return POLICIES[config.policy](config, kv, max_seqs_per_step, drafts, max_model_len)
+    return POLICIES[config.policy](config, kv, max_seqs_per_step, drafts, max_model_len, plans_ahead)

@@ -26,7 +26,7 @@ stages work on different iterations at once (Orca's batches in flight).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -177,6 +177,9 @@ class StepPlan:
     """One step's device inputs, padded to the bucket (T tokens, S sequences). Picklable."""
 
     token_ids: np.ndarray  # [T] int32
+    # [T] int32: -1, or the logit row of the previous step whose sampled token this token is (async
+    # scheduling: the runner feeds it on the device; token_ids holds 0 there)
+    token_source: np.ndarray
     positions: np.ndarray  # [T] int32
     segment_ids: np.ndarray  # [T] row of the token's sequence; padding: S_max (out of range)
     slot_mapping: np.ndarray  # [T] cache slot each new K/V goes to; padding: the scratch slot
@@ -229,6 +232,9 @@ class Runner(Protocol):
     kv_layout: KVLayout  # the KV pages the plans address
     buckets: Buckets  # the shapes a plan may take
     max_in_flight: int  # steps the engine may keep dispatched at once (the pipeline depth)
+    # Whether a plan's `token_source` works: a step's tokens may be the previous step's sampled ones,
+    # taken on the device (what async scheduling needs)
+    feeds_sampled_tokens: bool
 
     def dispatch(self, plan: StepPlan) -> Any:
         """Starts the step without waiting for it; returns a handle for `collect`."""
@@ -237,14 +243,29 @@ class Runner(Protocol):
         """Waits for a dispatched step; the new tokens of every request whose step reached its end."""
 
 
+class SampleRow(NamedTuple):
+    """A logit row's request, and what comes before the token it samples: the drafts verified
+    before it, and (async scheduling) the tokens sampled by the request's step in flight, not known
+    here yet. It samples the request's output token number len(outputs) + ahead + len(drafts)."""
+
+    request: Request
+    drafts_before: list[int]
+    ahead: int = 0
+
+    @property
+    def token_index(self) -> int:
+        return len(self.request.output_token_ids) + self.ahead + len(self.drafts_before)
+
+
 def padding_plan(num_tokens: int, num_rows: int, kv: KVLayout, vocab_size: int,
-                 rows: Sequence[tuple[Request, list[int]]] = ()) -> StepPlan:
+                 rows: Sequence[SampleRow] = ()) -> StepPlan:
     """A plan of one bucket's shape (T tokens, R logit rows), all padding (tokens out of every
-    segment, writing only to the scratch slot), with the sampling parameters of `rows` (a request
-    and the drafts before the row) in its first rows. Warm-up runs it as it is; `build_step_plan`
+    segment, writing only to the scratch slot), with the sampling parameters of `rows` in its first
+    rows. Warm-up runs it as it is; `build_step_plan`
     fills in the real rows."""
     return StepPlan(
         token_ids=np.zeros(num_tokens, np.int32),
+        token_source=np.full(num_tokens, -1, np.int32),
         positions=np.zeros(num_tokens, np.int32),
         segment_ids=np.full(num_tokens, kv.max_num_seqs, np.int32),
         slot_mapping=np.full(num_tokens, kv.scratch_slot, np.int32),
@@ -260,7 +281,8 @@ def build_step_plan(out: SchedulerOutput, buckets: Buckets, kv: KVLayout, vocab_
     # Static batches keep finished members as padding rows: they cost compute, as in FasterTransformer.
     num_tokens, _ = buckets.pick(out.num_batched_tokens + out.num_padding_seqs, out.num_seqs)
     num_rows = buckets.pick_rows(out.num_seqs + out.num_draft_tokens)
-    rows = [(p.request, p.draft_token_ids[:i]) for p in out.scheduled for i in range(1 + len(p.draft_token_ids))]
+    rows = [SampleRow(p.request, p.draft_token_ids[:i], int(p.fed_from_row >= 0))
+            for p in out.scheduled for i in range(1 + len(p.draft_token_ids))]
     plan = padding_plan(num_tokens, num_rows, kv, vocab_size, rows)
     spec = plan.speculation
     t = r = 0
@@ -270,7 +292,10 @@ def build_step_plan(out: SchedulerOutput, buckets: Buckets, kv: KVLayout, vocab_
         plan.request_ids.append(request.request_id)
         pos = np.arange(start, start + n, dtype=np.int32)
         table = np.asarray(request.block_table, np.int32)
-        plan.token_ids[t:t + n - k] = request.token_ids_between(start, start + n - k)
+        if planned.fed_from_row >= 0:  # its one token is still on the device
+            plan.token_source[t] = planned.fed_from_row
+        else:
+            plan.token_ids[t:t + n - k] = request.token_ids_between(start, start + n - k)
         plan.token_ids[t + n - k:t + n] = drafts
         plan.positions[t:t + n] = pos
         plan.segment_ids[t:t + n] = seq
@@ -287,6 +312,7 @@ def build_step_plan(out: SchedulerOutput, buckets: Buckets, kv: KVLayout, vocab_
             spec.seq_history_len[seq] = start + n - k
             spec.seq_proposes[seq] = planned.samples and planned.proposes
             spec.seq_num_slots[seq] = len(table) * kv.page_size
+        planned.row = r
         if planned.samples:
             plan.sample_rows.append((seq, r, drafts, request.params.logprobs))
         t += n
@@ -303,21 +329,23 @@ def bitmask_width(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
-def sampling_arrays(rows: list[tuple[Request, list[int]]], num_rows: int, vocab_size: int) -> SamplingArrays:
+def sampling_arrays(rows: list[SampleRow], num_rows: int, vocab_size: int) -> SamplingArrays:
     """Per-row sampling parameters as [R] arrays, so no combination of parameters recompiles. A
-    row is a request and the drafts before it: it samples the request's output token number
-    len(outputs) + len(drafts), as if the drafts were already its outputs."""
-    requests = [r for r, _ in rows]
+    row samples its request's output token number `SampleRow.token_index`, as if the drafts before
+    it were already outputs. (A grammar or penalties never meet a row with tokens ahead: the
+    scheduler does not plan such requests ahead.)"""
+    requests = [row.request for row in rows]
 
     def column(get, dtype, fill):
         values = np.full(num_rows, fill, dtype)
-        values[:len(rows)] = [get(r, before) for r, before in rows]
+        values[:len(rows)] = [get(r, before) for r, before, _ in rows]
         return values
 
     stop_ids = np.full((num_rows, MAX_STOP_IDS), -1, np.int32)
     suppress = np.zeros(num_rows, bool)
-    for row, (r, before) in enumerate(rows):
-        if len(r.output_token_ids) + len(before) < r.params.min_tokens:
+    for row, sample_row in enumerate(rows):
+        r = sample_row.request
+        if sample_row.token_index < r.params.min_tokens:
             ids = list(r.params.stop_token_ids)
             if not r.params.ignore_eos and r.eos_token_id is not None:
                 ids.append(r.eos_token_id)
@@ -328,7 +356,7 @@ def sampling_arrays(rows: list[tuple[Request, list[int]]], num_rows: int, vocab_
     bitmask = np.full((num_rows, bitmask_width(vocab_size)), -1, np.int32)
     bias_ids = np.zeros((num_rows, MAX_LOGIT_BIAS), np.int32)
     bias_values = np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32)
-    for row, (r, before) in enumerate(rows):
+    for row, (r, before, _) in enumerate(rows):
         if r.grammar is not None:  # drafts are a prefix the grammar allows (the scheduler checked)
             r.grammar.fill_bitmask_after(bitmask[row], before)
         if r.params.logit_bias:
@@ -339,7 +367,7 @@ def sampling_arrays(rows: list[tuple[Request, list[int]]], num_rows: int, vocab_
     if use_penalties:
         counts = np.zeros((num_rows, vocab_size), np.int32)
         seen = np.zeros((num_rows, vocab_size), bool)
-        for row, (r, before) in enumerate(rows):
+        for row, (r, before, _) in enumerate(rows):
             if r.params.uses_penalties:
                 counts[row] = np.bincount(r.output_token_ids + before, minlength=vocab_size)
                 seen[row, r.prompt_token_ids] = True
@@ -353,7 +381,7 @@ def sampling_arrays(rows: list[tuple[Request, list[int]]], num_rows: int, vocab_
         presence_penalty=column(lambda r, _: r.params.presence_penalty, np.float32, 0.0),
         frequency_penalty=column(lambda r, _: r.params.frequency_penalty, np.float32, 0.0),
         seeds=column(lambda r, _: (r.seed ^ (r.seed >> 32)) & 0xFFFFFFFF, np.uint32, 0),
-        token_index=column(lambda r, before: len(r.output_token_ids) + len(before), np.int32, 0),
+        token_index=np.array([row.token_index for row in rows] + [0] * (num_rows - len(rows)), np.int32),
         stop_ids=stop_ids,
         suppress_stop=suppress,
         output_counts=counts,

@@ -26,7 +26,7 @@ from orca_jax.engine.step_plan import SamplingArrays, SpeculationArrays, StepPla
 _MAGIC = b"ORCAPLAN1"
 _HEADER_LENGTH = struct.Struct("!I")
 _DTYPES = frozenset({"int32", "uint32", "float32", "bool"})
-_PLAN_ARRAYS = ("token_ids", "positions", "segment_ids", "slot_mapping", "block_tables", "kv_lens", "logits_index")
+_PLAN_ARRAYS = ("token_ids", "token_source", "positions", "segment_ids", "slot_mapping", "block_tables", "kv_lens", "logits_index")
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingArrays))
 # A speculating runner's plans also carry these (all of them, or none).
 _SPECULATION_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculationArrays))

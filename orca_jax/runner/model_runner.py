@@ -74,6 +74,7 @@ class StepInputs:
     devices in one `device_put` (see step_plan.StepPlan for the fields' meaning)."""
 
     token_ids: Int[Array, " T"]
+    token_source: Int[Array, " T"]  # -1, or the previous step's logit row whose sampled token it is
     attention: AttentionMetadata  # positions, segment ids, slots; block tables and KV lengths [S_max]
     logits_index: Int[Array, " R_max"]
 
@@ -84,7 +85,8 @@ class StepInputs:
                                       kv_lens=plan.kv_lens,
                                       # Static batches' finished members are computed, as FasterTransformer's.
                                       num_tokens=np.int32(plan.num_real_tokens + plan.num_padding_seqs))
-        return cls(token_ids=plan.token_ids, attention=attention, logits_index=plan.logits_index)
+        return cls(token_ids=plan.token_ids, token_source=plan.token_source, attention=attention,
+                   logits_index=plan.logits_index)
 
 
 @dataclasses.dataclass
@@ -116,11 +118,15 @@ class Stage:
     kv_caches: list = dataclasses.field(default_factory=list)  # one (k_pages, v_pages) per layer
     # A speculating runner's last stage: the token id of every KV slot [P + 1, page] (speculation.py)
     token_pages: Any = None
-    # jitted (params, kv_caches, token_pages, x, inputs) -> (activations [T, D], or from the last
-    # stage those of each logit row's token [R_max, D]; kv_caches; token_pages)
+    # The only stage's latest sampled tokens [R_max] (int32, one per logit row), which the next
+    # step's tokens may take (StepPlan.token_source: async scheduling); None with several stages
+    fed_tokens: Any = None
+    # jitted (params, kv_caches, token_pages, x, inputs, fed_tokens) -> (activations [T, D], or from
+    # the last stage those of each logit row's token [R_max, D]; kv_caches; token_pages)
     layers_program: Callable | None = None
     # the last stage's jitted (params, logit-row activations [R_max, D], sampling [R], speculation,
-    # token_pages) -> SamplerOutput, or SpeculativeOutput when speculating
+    # token_pages) -> (SamplerOutput, or SpeculativeOutput when speculating; the sampled tokens
+    # padded to [R_max], the next fed_tokens)
     head_program: Callable | None = None
     # ("layers", T) or ("head", R) -> the compiled program, filled by warm-up
     executables: dict = dataclasses.field(default_factory=dict)
@@ -202,6 +208,7 @@ class ModelRunner:
         ranges = stage_layer_ranges(config.n_layers, parallel.pipeline_parallel_size)
         self.stages = [self._build_stage(i, model, ranges[i], meshes[i], kv_shape) for i in range(len(ranges))]
         self.multi_process = not all(stage.local for stage in self.stages)
+        self.feeds_sampled_tokens = len(self.stages) == 1  # the one stage samples and embeds (fed_tokens)
         self.drafter = self._build_drafter() if isinstance(proposer, DraftModelProposer) else None
         if self.stages[0].mesh.devices.flat[0].process_index != 0:
             raise ConfigError("the leader (process 0) must hold the first pipeline stage: give every process the "
@@ -253,13 +260,17 @@ class ModelRunner:
         attention = sharded_paged_attention(self.attention_impl, mesh)
         param_treedef = jax.tree.structure(params)
 
-        def run_layers(param_leaves, kv_caches, token_pages, x, packed_inputs):
+        def run_layers(param_leaves, kv_caches, token_pages, x, packed_inputs, fed_tokens):
             stage = nnx.merge(graphdef, jax.tree.unflatten(param_treedef, param_leaves))
             inputs: StepInputs = packed_inputs.unpack()
-            x, kv_caches = stage(inputs.token_ids if first else x, inputs.attention, kv_caches, inputs.logits_index,
+            token_ids = inputs.token_ids
+            if fed_tokens is not None:
+                fed = fed_tokens[jnp.maximum(inputs.token_source, 0)]
+                token_ids = jnp.where(inputs.token_source >= 0, fed, token_ids)
+            x, kv_caches = stage(token_ids if first else x, inputs.attention, kv_caches, inputs.logits_index,
                                  attention)
             if token_pages is not None:
-                token_pages = write_tokens(token_pages, inputs.token_ids, inputs.attention.slot_mapping)
+                token_pages = write_tokens(token_pages, token_ids, inputs.attention.slot_mapping)
             return x, kv_caches, token_pages
 
         def run_head(param_leaves, row_tokens, packed_sampling, packed_speculation, token_pages, draft_probs):
@@ -268,22 +279,25 @@ class ModelRunner:
             head = nnx.merge(graphdef, jax.tree.unflatten(param_treedef, param_leaves))
             logits = head.logits(row_tokens[:num_rows], sampling.num_real_rows)
             sampled = sample(logits, sampling)
+            fed = jnp.zeros(self.kv_layout.max_logit_rows, jnp.int32).at[:num_rows].set(sampled.tokens)
             if packed_speculation is None:
-                return sampled
+                return sampled, fed
             return verify_and_propose(self.proposer, token_pages, logits, sampled, sampling,
-                                      packed_speculation.unpack(), draft_probs)
+                                      packed_speculation.unpack(), draft_probs), fed
 
         # Pinning output placements keeps the donated caches' sharding identical across steps, so a
         # step's outputs are always valid inputs of the next.
         token_pages = None
         if last and isinstance(self.proposer, NgramProposer):
             token_pages = jax.device_put(jnp.zeros(kv_shape[:2], jnp.int32), replicated)
+        fed_tokens = jax.device_put(jnp.zeros(self.kv_layout.max_logit_rows, jnp.int32), replicated) if first and last \
+            else None
         layers_program = jax.jit(run_layers, donate_argnums=(1, 2),
                                  out_shardings=(replicated, kv_sharding, None if token_pages is None else replicated))
         head_program = jax.jit(run_head, out_shardings=replicated) if last else None
         return Stage(index, layers, mesh, replicated, first, last, local=True, params=params,
                      param_leaves=jax.tree.leaves(params),
-                     kv_caches=[(zeros(), zeros()) for _ in layers], token_pages=token_pages,
+                     kv_caches=[(zeros(), zeros()) for _ in layers], token_pages=token_pages, fed_tokens=fed_tokens,
                      layers_program=layers_program, head_program=head_program)
 
     def _build_drafter(self) -> DraftModelRunner:
@@ -392,7 +406,8 @@ class ModelRunner:
             plan = padding_plan(size, self.buckets.row_buckets[0], self.kv_layout, self.config.vocab_size)
             inputs = jax.tree.map(lambda a: placed(a.shape, a.dtype), pack(StepInputs.of(plan)))
             x = None if stage.first else placed((size, self.config.d_model), jnp.dtype(self.config.dtype))
-            args, program = (stage.param_leaves, stage.kv_caches, stage.token_pages, x, inputs), stage.layers_program
+            args = (stage.param_leaves, stage.kv_caches, stage.token_pages, x, inputs, stage.fed_tokens)
+            program = stage.layers_program
             out_tree = jax.tree.structure((0, stage.kv_caches, stage.token_pages))
         else:
             plan = padding_plan(self.buckets.tokens[0], size, self.kv_layout, self.config.vocab_size)
@@ -403,7 +418,7 @@ class ModelRunner:
             args = (stage.param_leaves, row_tokens, self._sampling_metadata(plan, stage),
                     self._speculation_metadata(plan, stage), stage.token_pages, draft_probs)
             program = stage.head_program
-            out_tree = jax.tree.structure(_result_shapes(size, self.kv_layout))
+            out_tree = jax.tree.structure((_result_shapes(size, self.kv_layout), 0))
         return self.executable_store.load_or_compile(
             # The kv_layout fixes where each field sits in the packed inputs (packing.py).
             f"{name}{size}-stage{stage.index}", args,
@@ -506,7 +521,7 @@ class ModelRunner:
         # device of the stage.
         inputs = jax.device_put(pack(StepInputs.of(plan)), stage.replicated)
         x, stage.kv_caches, stage.token_pages = self._program(stage, "layers", num_tokens)(
-            stage.param_leaves, stage.kv_caches, stage.token_pages, x, inputs)
+            stage.param_leaves, stage.kv_caches, stage.token_pages, x, inputs, stage.fed_tokens)
         if stage.last:
             sampling, speculation = self._sampling_metadata(plan, stage), self._speculation_metadata(plan, stage)
             draft_probs = None
@@ -514,8 +529,10 @@ class ModelRunner:
                 # The draft model's programs take the step's arrays unpacked (sliced here, on the device).
                 draft_sampling, draft_speculation = sampling.unpack(), speculation.unpack()
                 draft_probs = self.drafter.catch_up(plan, inputs.unpack(), draft_sampling, draft_speculation)
-            x = self._program(stage, "head", num_rows)(stage.param_leaves, x, sampling, speculation, stage.token_pages,
-                                                       draft_probs)
+            x, fed_tokens = self._program(stage, "head", num_rows)(stage.param_leaves, x, sampling, speculation,
+                                                                   stage.token_pages, draft_probs)
+            if stage.first:
+                stage.fed_tokens = fed_tokens
             if self.drafter is not None:
                 x = self.drafter.propose(plan, x, draft_sampling, draft_speculation)
         return x

@@ -9,13 +9,13 @@ SMOLLM2_LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=128)
 
 
 def make_engine(runner, loaded, policy, *, prefix_caching=False, max_num_seqs, max_num_batched_tokens,
-                speculative_config=None):
+                speculative_config=None, async_scheduling=True):
     """`speculative_config` needs a speculating runner (tests/conftest.py's *_spec_runner)."""
     config = EngineConfig(
         model=str(loaded.path),
         cache=CacheConfig(page_size=runner.page_size, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens),
+                                  max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling),
         speculative_config=speculative_config,
     )
     return LLMEngine(config, loaded.config, runner, loaded.tokenizer, max_model_len=runner.max_pages_per_seq * runner.page_size)

@@ -17,9 +17,11 @@ from orca_jax.engine.step_plan import Buckets, KVLayout, SampledToken, StepToken
 class MockRunner:
     def __init__(self, num_pages: int, page_size: int, vocab_size: int = 1000, max_in_flight: int = 1, *,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int = 4096,
-                 num_speculative_tokens: int = 0, propose=None):
+                 num_speculative_tokens: int = 0, propose=None, feeds_sampled_tokens: bool = False):
         """With `num_speculative_tokens`, `propose(token)` gives the drafts proposed after a
-        sequence's newest token (default: the right continuation, all accepted)."""
+        sequence's newest token (default: the right continuation, all accepted). With
+        `feeds_sampled_tokens` it takes plans whose tokens come from the previous step's samples
+        (async scheduling), as the one-stage model runner does."""
         self.buckets = Buckets.for_limits(max_num_batched_tokens, max_num_seqs)
         if num_speculative_tokens:
             self.buckets = self.buckets.with_draft_rows(num_speculative_tokens)
@@ -28,13 +30,22 @@ class MockRunner:
         self.propose = propose or (lambda token: [(token + 1 + i) % vocab_size for i in range(num_speculative_tokens)])
         self.vocab_size = vocab_size
         self.max_in_flight = max_in_flight
+        self.feeds_sampled_tokens = feeds_sampled_tokens
         self.plans = []
         self.pending: list = []  # plans dispatched and not yet collected
+        self.fed_tokens = np.zeros(self.kv_layout.max_logit_rows, np.int32)  # the latest step's, per logit row
+        self.num_fed_tokens = 0
 
     def dispatch(self, plan):
+        fed = plan.token_source >= 0
+        if fed.any():
+            assert self.feeds_sampled_tokens, "a fed token for a runner that does not feed them"
+            plan.token_ids[fed] = self.fed_tokens[plan.token_source[fed]]
+            self.num_fed_tokens += int(fed.sum())
+        fed_ids = {plan.request_ids[seq] for seq in plan.segment_ids[fed]}
         held = {request_id for other in self.pending for request_id in other.request_ids}
-        assert not held & set(plan.request_ids), "a request in two steps in flight"
-        assert len(self.pending) < self.max_in_flight
+        assert not (held & set(plan.request_ids)) - fed_ids, "a request in two steps in flight, not fed"
+        assert len(self.pending) < max(self.max_in_flight, 2 if self.feeds_sampled_tokens else 1)
         self._check(plan)
         self.plans.append(plan)
         self.pending.append(plan)
@@ -48,6 +59,7 @@ class MockRunner:
                     break
             next_drafts = self.propose(tokens[-1].token) if self.kv_layout.num_speculative_tokens else []
             sampled[plan.request_ids[seq]] = StepTokens(tokens, len(drafts), next_drafts)
+            self.fed_tokens[first] = tokens[0].token
         return plan, sampled
 
     def collect(self, pending):

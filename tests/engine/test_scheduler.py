@@ -16,15 +16,17 @@ MODEL = dataclasses.replace(load_model_preset("tiny"), vocab_size=VOCAB, eos_tok
 
 
 def make_engine(policy, *, num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=64, prefix_caching=False,
-                depth=1):
-    """An engine over the mock runner; `depth` > 1 lets it keep that many steps in flight (a pipeline)."""
+                depth=1, async_scheduling=False):
+    """An engine over the mock runner; `depth` > 1 lets it keep that many steps in flight (a pipeline);
+    `async_scheduling` gives it a runner that feeds sampled tokens, so it plans steps ahead."""
     config = EngineConfig(
         model="mock",
         cache=CacheConfig(page_size=page_size, enable_prefix_caching=prefix_caching),
-        scheduler=SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        scheduler=SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  async_scheduling=async_scheduling),
     )
     runner = MockRunner(num_pages, page_size, VOCAB, max_in_flight=depth, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens)
+                        max_num_batched_tokens=max_num_batched_tokens, feeds_sampled_tokens=async_scheduling)
     engine = LLMEngine(config, MODEL, runner, tokenizer=None)
     engine.schedules = record_schedules(engine)  # what the tests below inspect
     return engine
