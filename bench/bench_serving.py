@@ -167,7 +167,7 @@ def start_server(policy: str, port: int, args: argparse.Namespace) -> subprocess
     command = [sys.executable, "-m", "orca_jax.cli", "serve", "--model", args.model, "--policy", policy,
                "--port", str(port), "--served-model-name", "bench", "--max-num-seqs", str(args.max_num_seqs),
                "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-queued-requests", "100000",
-               "--quantization", args.quantization]
+               "--quantization", args.quantization] + ([] if args.async_scheduling else ["--no-async-scheduling"])
     with open(RESULTS / f"serving_{policy}.log", "w") as log:  # the child keeps its own copy of the handle
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--quantization", default="none", help="of the started servers' weights: none, gguf or int8")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                        help="of the started servers (default on; --no-async-scheduling steps one at a time)")
     parser.add_argument("--send-text", action="store_true", help="send prompts as text, not token ids")
     parser.add_argument("--out", type=Path, default=RESULTS / "serving_new.json",
                         help="results JSON, the plot beside it (default: a new file, not the committed serving.json)")

@@ -1,10 +1,11 @@
 """One user chatting: decode speed of a single request (greedy, a ~80-token prompt, 128 new tokens),
 against the machine's memory-speed limit for the weights (every decode token reads all of them),
 for each weight quantization asked (float32, the GGUF's own Q4_1 blocks, int8) and each
-matmul_impl asked for the float matrices (auto: native on CPU; xla: XLA's dot, as before it).
+matmul_impl asked for the float matrices (auto: native on CPU; xla: XLA's dot, as before it), with
+async scheduling on (the default: host work hides behind the device's) or off.
 
     python bench/bench_single_stream.py [--quantization none gguf int8] [--matmul-impl auto native xla]
-                                        [--max-num-seqs 32] [--runs 3]
+                                        [--async-scheduling on off] [--max-num-seqs 32] [--runs 3]
 
 Prints one line per run and a summary per quantization; saves bench/results/single_stream_new.json
 (or --out): decode tok/s (first token to last), ms per token, the buckets the steps ran in, the bytes
@@ -58,9 +59,11 @@ def native_isa() -> str:
     return native.isa() if reason is None else f"unavailable ({reason})"
 
 
-def measure(quantization: str, matmul_impl: str, max_num_seqs: int, num_runs: int, bandwidth: float) -> dict:
-    llm = LLM(max_num_seqs=max_num_seqs, quantization=quantization, matmul_impl=matmul_impl, show_progress=False)
-    label = f"{quantization}, matmuls {llm.runner.matmul_impl}"
+def measure(quantization: str, matmul_impl: str, async_scheduling: bool, max_num_seqs: int, num_runs: int,
+            bandwidth: float) -> dict:
+    llm = LLM(max_num_seqs=max_num_seqs, quantization=quantization, matmul_impl=matmul_impl,
+              async_scheduling=async_scheduling, show_progress=False)
+    label = f"{quantization}, matmuls {llm.runner.matmul_impl}, async scheduling {'on' if async_scheduling else 'off'}"
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm
     runs = []
@@ -78,7 +81,7 @@ def measure(quantization: str, matmul_impl: str, max_num_seqs: int, num_runs: in
     best = max(r["decode_tok_s"] for r in runs)
     print(f"{label}: best {best:.1f} tok/s; weights {weight_bytes / 1e6:.0f} MB -> memory-speed limit "
           f"{limit:.1f} tok/s; {best / limit:.0%} of it", flush=True)
-    return {"matmul_impl": llm.runner.matmul_impl, "runs": runs, "weight_bytes": weight_bytes, "limit_tok_s": limit, "best_tok_s": best,
+    return {"matmul_impl": llm.runner.matmul_impl, "async_scheduling": async_scheduling, "runs": runs, "weight_bytes": weight_bytes, "limit_tok_s": limit, "best_tok_s": best,
             "fraction_of_limit": best / limit}
 
 
@@ -86,6 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quantization", nargs="+", choices=QUANTIZATION_CHOICES, default=list(QUANTIZATION_CHOICES))
     parser.add_argument("--matmul-impl", nargs="+", choices=MATMUL_IMPL_CHOICES, default=["auto"])
+    parser.add_argument("--async-scheduling", nargs="+", choices=["on", "off"], default=["on"])
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "single_stream_new.json")
@@ -96,9 +100,12 @@ def main() -> None:
     modes = {}
     for quantization in args.quantization:
         for matmul_impl in args.matmul_impl:
-            name = quantization if matmul_impl == "auto" else f"{quantization}, matmul_impl {matmul_impl}"
-            modes[name] = measure(quantization, matmul_impl, args.max_num_seqs, args.runs, bandwidth)
-            gc.collect()  # the previous engine's weights and KV pages go before the next one's
+            for async_scheduling in args.async_scheduling:
+                name = quantization if matmul_impl == "auto" else f"{quantization}, matmul_impl {matmul_impl}"
+                name += ", async scheduling off" if async_scheduling == "off" else ""
+                modes[name] = measure(quantization, matmul_impl, async_scheduling == "on", args.max_num_seqs,
+                                      args.runs, bandwidth)
+                gc.collect()  # the previous engine's weights and KV pages go before the next one's
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"cpu": cpu_model(), "native_isa": native_isa(), "max_num_seqs": args.max_num_seqs,
                                     "copy_bytes_per_s": bandwidth, "quantization": modes}, indent=1))

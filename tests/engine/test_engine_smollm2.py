@@ -65,3 +65,25 @@ def test_batched_equals_solo(smollm2, smollm2_runner, requests, solo_outputs, po
     if sampling == "greedy":  # float32: the same tokens, and logprobs equal up to rounding
         assert diverging_requests(batched, solo, max_drift=FLOAT32_MAX_DRIFT) == []
     assert smollm2_runner.num_compilations_after_warmup == 0
+
+
+@pytest.mark.parametrize("policy", ["orca", "chunked"])
+def test_async_scheduling_gives_the_outputs_of_steps_taken_one_at_a_time(smollm2, smollm2_runner, requests, policy):
+    """Greedy and seeded requests together, with stop tokens among them: steps planned ahead on
+    tokens fed on the device give every output (tokens, logprobs, finish reason) of the engine that
+    waits for each step."""
+    stops = [SamplingParams(temperature=0.0, max_tokens=m, stop_token_ids=[13, 30]) for _, m in requests[:3]]
+    mixed = workload(requests, "greedy")[3:6] + workload(requests, "seeded")[6:] + list(zip(
+        [p for p, _ in requests[:3]], stops))
+    results = {}
+    for async_scheduling in (False, True):
+        engine = make_engine(smollm2_runner, smollm2, policy, **SMOLLM2_LIMITS, async_scheduling=async_scheduling)
+        results[async_scheduling] = run_all(engine, mixed)
+        assert max(engine.in_flight_depths) == (2 if async_scheduling else 1)
+    for off, on in zip(results[False], results[True], strict=True):
+        assert on.outputs[0].token_ids == off.outputs[0].token_ids
+        assert on.outputs[0].finish_reason == off.outputs[0].finish_reason
+        if off.outputs[0].logprobs:
+            assert [sorted(x) for x in on.outputs[0].logprobs] == [sorted(x) for x in off.outputs[0].logprobs]
+    assert any(o.outputs[0].finish_reason == "stop" for o in results[True])
+    assert smollm2_runner.num_compilations_after_warmup == 0
