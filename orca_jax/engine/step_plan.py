@@ -261,8 +261,7 @@ def padding_plan(num_tokens: int, num_rows: int, kv: KVLayout, vocab_size: int,
                  rows: Sequence[SampleRow] = ()) -> StepPlan:
     """A plan of one bucket's shape (T tokens, R logit rows), all padding (tokens out of every
     segment, writing only to the scratch slot), with the sampling parameters of `rows` in its first
-    rows. Warm-up runs it as it is; `build_step_plan`
-    fills in the real rows."""
+    rows. Warm-up runs it as it is; `build_step_plan` fills in the real rows."""
     return StepPlan(
         token_ids=np.zeros(num_tokens, np.int32),
         token_source=np.full(num_tokens, -1, np.int32),

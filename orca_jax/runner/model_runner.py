@@ -10,7 +10,9 @@ step n + 1 (the engine keeps up to `max_in_flight` = pp steps dispatched). `coll
 the step's one small result (sampled tokens). A step's many small host arrays (token ids, slots,
 block tables, sampling parameters) travel as one buffer per dtype (packing.py), and the programs
 take the parameters as leaves flattened once: at one sequence, host work per step was otherwise as
-long as several layers.
+long as several layers. With one stage the head also returns its sampled tokens padded to [R_max]
+(`Stage.fed_tokens`), and the next step's layers take a plan's `token_source` tokens from them:
+async scheduling plans a step before the tokens it continues are back on the host.
 
 Across processes (parallel/multihost.py) a stage lives on one process; each process builds only the
 stages it owns, the leader sends every plan to the followers before running it, and every process

@@ -110,7 +110,10 @@ def test_simulation_matches_the_tiny_model():
         lengths.append((prompt_len, rng.randint(20, 128 - prompt_len)))  # the runner's max_model_len is 128
     preemptions = {}
     for policy in POLICIES:
-        engine = make_tiny_engine(runner, tiny, policy, max_num_seqs=8, max_num_batched_tokens=64)
+        # The simulation steps one at a time: with a step planned ahead, pages and slots that a
+        # finishing request frees are seen one step later, so admissions can come a step later.
+        engine = make_tiny_engine(runner, tiny, policy, max_num_seqs=8, max_num_batched_tokens=64,
+                                  async_scheduling=False)
         for prompt_len, max_tokens in lengths:
             engine.add_request([rng.randrange(3, 60) for _ in range(prompt_len)],
                                SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
