@@ -55,13 +55,14 @@ def weights(format: str, layers: int, rng) -> list[tuple[jax.Array, jax.Array | 
 
 
 def program(matmul, format: str):
-    """One jitted call of every matrix, each fed the previous output (so none is skipped)."""
+    """One jitted call of every matrix, each fed the previous output, as in a model: the calls run
+    one after another (fed the same input, XLA ran independent calls at once and the figures at one
+    token came out 1.6x better than the model's own calls). The scaling keeps values finite."""
     def run(x, mats):
-        total = jnp.zeros((), jnp.float32)
         for (out, inner), (data, scales) in zip(LAYER * (len(mats) // len(LAYER)), mats):
-            y = matmul(x[:, :inner] if x.shape[1] >= inner else jnp.tile(x, (1, 3))[:, :inner], format, data, scales)
-            total = total + y[:, 0].sum()
-        return total
+            x = x[:, :inner] if x.shape[1] >= inner else jnp.tile(x, (1, -(-inner // x.shape[1])))[:, :inner]
+            x = matmul(x, format, data, scales) * (1.0 / np.sqrt(inner))
+        return x.sum()
     return jax.jit(run)
 
 
