@@ -81,8 +81,8 @@ def measure(quantization: str, matmul_impl: str, async_scheduling: bool, max_num
     best = max(r["decode_tok_s"] for r in runs)
     print(f"{label}: best {best:.1f} tok/s; weights {weight_bytes / 1e6:.0f} MB -> memory-speed limit "
           f"{limit:.1f} tok/s; {best / limit:.0%} of it", flush=True)
-    return {"matmul_impl": llm.runner.matmul_impl, "async_scheduling": async_scheduling, "runs": runs, "weight_bytes": weight_bytes, "limit_tok_s": limit, "best_tok_s": best,
-            "fraction_of_limit": best / limit}
+    return {"matmul_impl": llm.runner.matmul_impl, "async_scheduling": async_scheduling, "runs": runs,
+            "weight_bytes": weight_bytes, "limit_tok_s": limit, "best_tok_s": best, "fraction_of_limit": best / limit}
 
 
 def main() -> None:

@@ -169,3 +169,26 @@ def test_serve_checks_the_chat_template_file_first(tmp_path):
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}{{ m.content }}")
     assert_one_error_line(orca_jax("serve", "--chat-template", str(broken), "--port", "0"), "not a valid Jinja")
+
+
+def test_async_scheduling_from_the_file_and_the_flags_over_it(tmp_path):
+    import argparse
+
+    import pytest
+
+    from orca_jax.cli import add_engine_args, engine_config
+    from orca_jax.config import EngineConfig, SchedulerConfig, load_toml
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config(parser.parse_args([])).scheduler.async_scheduling  # on by default
+    config = tmp_path / "engine.toml"
+    config.write_text("[scheduler]\nasync_scheduling = false\n")
+    assert not engine_config(parser.parse_args(["--config", str(config)])).scheduler.async_scheduling
+    assert engine_config(parser.parse_args(["--config", str(config), "--async-scheduling"])).scheduler.async_scheduling
+    assert not engine_config(parser.parse_args(["--no-async-scheduling"])).scheduler.async_scheduling
+    config.write_text('[scheduler]\nasync_scheduling = "yes"\n')
+    with pytest.raises(ValueError, match="async_scheduling = 'yes' has type str; expected bool"):
+        load_toml(EngineConfig, config)
+    with pytest.raises(ValueError, match="async_scheduling must be true or false"):
+        SchedulerConfig(async_scheduling="yes")  # from Python, not through a file

@@ -219,7 +219,7 @@ class Scheduler:
         planned = request.step_in_flight
         start = planned.start + planned.num_new_tokens
         num_outputs = len(request.output_token_ids) + 1  # with the token of the step in flight
-        if (request.in_flight > 1 or num_outputs >= request.params.max_tokens or start + 1 >= self.max_model_len
+        if (num_outputs >= request.params.max_tokens or start + 1 >= self.max_model_len
                 or not self.kv.allocate(request, start + 1)):
             return False
         scheduled = ScheduledRequest(request, 1, start, fed_from_row=planned.row)

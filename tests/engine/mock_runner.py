@@ -4,7 +4,8 @@ The "model" continues every sequence with (last token + 1) % vocab, so the right
 request is known in advance. Like the real runner it sees only StepPlans, and it checks that every
 one is consistent: each row's tokens are consecutive positions ending at its KV length, each new
 K/V goes to a slot of its row's own pages, no two rows write one slot, and no request is in two
-dispatched steps at once (with `max_in_flight` > 1 it stands in for a pipelined runner).
+dispatched steps at once (with `max_in_flight` > 1 it stands in for a pipelined runner) unless the
+newer one continues it on a fed token (`feeds_sampled_tokens`: async scheduling).
 
 Scheduling tests inspect the scheduler's decisions with `record_schedules`.
 """

@@ -6,7 +6,7 @@ import pytest
 
 from orca_jax.sampling_params import SamplingParams
 
-from .test_scheduler import POLICIES, VOCAB, expected_output, make_engine, mixed_workload, run
+from .test_scheduler import POLICIES, VOCAB, expected_output, finish, make_engine, mixed_workload, run
 
 
 def fed_steps(engine) -> int:
@@ -49,9 +49,7 @@ def test_a_stop_token_drops_the_token_computed_ahead_and_frees_every_page():
         engine = make_engine("paged", async_scheduling=async_scheduling)
         request_id = engine.add_request(list(prompt), stop)
         other = engine.add_request([1, 2], SamplingParams(max_tokens=9, temperature=0))
-        done = {}
-        while engine.has_unfinished_requests():
-            done.update({o.request_id: o for o in engine.step() if o.finished})
+        done = finish(engine)
         results[async_scheduling] = done[request_id].outputs[0], done[other].outputs[0]
         assert engine.kv.num_free_pages == engine.kv.num_pages
     (sync, sync_other), (ahead, ahead_other) = results[False], results[True]
@@ -82,11 +80,7 @@ def test_abort_with_two_steps_in_flight_frees_its_pages_and_spares_the_others():
     victim = engine.schedules[-1].scheduled[0].request
     assert victim.in_flight
     assert engine.abort(victim.request_id)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            assert out.request_id != victim.request_id, "an aborted request got output"
-            done.update({out.request_id: out} if out.finished else {})
+    done = finish(engine, never=victim.request_id)
     for i, request_id in enumerate(ids):
         if request_id != victim.request_id:
             assert done[request_id].outputs[0].token_ids == expected_output([10 * i + 1, 10 * i + 2], 8)
@@ -100,9 +94,7 @@ def test_a_request_whose_next_step_needs_its_token_on_the_host_holds_the_next_pl
     penalized = SamplingParams(max_tokens=6, temperature=0, repetition_penalty=1.1)
     plain = SamplingParams(max_tokens=10, temperature=0)
     ids = [engine.add_request([3, 4], penalized), engine.add_request([7, 8], plain)]
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    done = finish(engine)
     assert done[ids[0]].outputs[0].token_ids == expected_output([3, 4], 6)
     assert done[ids[1]].outputs[0].token_ids == expected_output([7, 8], 10)
     fed = [out for out in engine.schedules if any(s.fed_from_row >= 0 for s in out.scheduled)]

@@ -83,7 +83,8 @@ def test_async_scheduling_gives_the_outputs_of_steps_taken_one_at_a_time(smollm2
     for off, on in zip(results[False], results[True], strict=True):
         assert on.outputs[0].token_ids == off.outputs[0].token_ids
         assert on.outputs[0].finish_reason == off.outputs[0].finish_reason
-        if off.outputs[0].logprobs:
-            assert [sorted(x) for x in on.outputs[0].logprobs] == [sorted(x) for x in off.outputs[0].logprobs]
+    # The greedy ones carry logprobs: equal up to batch-composition rounding (steps planned ahead can
+    # group requests differently; float32, README "Batch invariance").
+    assert diverging_requests(results[True][:3], results[False][:3], max_drift=FLOAT32_MAX_DRIFT) == []
     assert any(o.outputs[0].finish_reason == "stop" for o in results[True])
     assert smollm2_runner.num_compilations_after_warmup == 0

@@ -8,7 +8,7 @@ import pytest
 
 from orca_jax.sampling_params import SamplingParams
 
-from .test_scheduler import VOCAB, expected_output, make_engine, run
+from .test_scheduler import VOCAB, expected_output, finish, make_engine, run
 
 
 def pipelined_engine(policy, **limits):
@@ -65,12 +65,7 @@ def test_abort_of_a_request_in_flight_frees_its_pages_and_spares_the_others(poli
     victim = next(s.request for s in engine.in_flight[0][0].scheduled)
     assert victim.in_flight
     assert engine.abort(victim.request_id)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            assert out.request_id != victim.request_id, "an aborted request got output"
-            if out.finished:
-                done[out.request_id] = out
+    done = finish(engine, never=victim.request_id)
     for i, request_id in enumerate(ids):
         if request_id != victim.request_id:
             assert done[request_id].outputs[0].token_ids == expected_output([10 * i + 1, 10 * i + 2], 8)

@@ -50,6 +50,18 @@ def run(engine, requests):
     return [done[i] for i in ids], steps
 
 
+def finish(engine, never: str | None = None) -> dict:
+    """Steps the engine until nothing is left; returns the finished outputs by request id. The
+    request `never` (an aborted one) must get no output meanwhile."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id != never, "an aborted request got output"
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
 def mixed_workload(n=10):
     return [([(7 * i + j) % VOCAB for j in range(3 + (5 * i) % 13)], 1 + (3 * i) % 9) for i in range(n)]
 
