@@ -6,7 +6,8 @@ import pytest
 
 from orca_jax.sampling_params import SamplingParams
 
-from .test_scheduler import POLICIES, VOCAB, expected_output, finish, make_engine, mixed_workload, run
+from .test_scheduler import (POLICIES, VOCAB, abort_spares_the_others, expected_output, finish, make_engine,
+                             mixed_workload, run)
 
 
 def fed_steps(engine) -> int:
@@ -74,17 +75,11 @@ def test_preemption_with_a_step_planned_ahead_keeps_outputs_right_and_frees_ever
 
 def test_abort_with_two_steps_in_flight_frees_its_pages_and_spares_the_others():
     engine = make_engine("chunked", async_scheduling=True)
-    ids = [engine.add_request([10 * i + 1, 10 * i + 2], SamplingParams(max_tokens=8, temperature=0)) for i in range(3)]
+    requests = {engine.add_request(p, SamplingParams(max_tokens=8, temperature=0)): (p, 8)
+                for p in ([10 * i + 1, 10 * i + 2] for i in range(3))}
     while len(engine.in_flight) < 1 or engine.schedules[-1].scheduled[0].fed_from_row < 0:
         engine.step()  # until a step planned ahead is among those in flight
-    victim = engine.schedules[-1].scheduled[0].request
-    assert victim.in_flight
-    assert engine.abort(victim.request_id)
-    done = finish(engine, never=victim.request_id)
-    for i, request_id in enumerate(ids):
-        if request_id != victim.request_id:
-            assert done[request_id].outputs[0].token_ids == expected_output([10 * i + 1, 10 * i + 2], 8)
-    assert engine.kv.num_free_pages == engine.kv.num_pages
+    abort_spares_the_others(engine, engine.schedules[-1].scheduled[0].request, requests)
 
 
 def test_a_request_whose_next_step_needs_its_token_on_the_host_holds_the_next_plan_back():

@@ -8,7 +8,7 @@ import pytest
 
 from orca_jax.sampling_params import SamplingParams
 
-from .test_scheduler import VOCAB, expected_output, finish, make_engine, run
+from .test_scheduler import VOCAB, abort_spares_the_others, expected_output, make_engine, run
 
 
 def pipelined_engine(policy, **limits):
@@ -59,17 +59,11 @@ def test_victims_are_never_in_flight():
 @pytest.mark.parametrize("policy", ["orca", "chunked"])
 def test_abort_of_a_request_in_flight_frees_its_pages_and_spares_the_others(policy):
     engine = pipelined_engine(policy, max_num_seqs=4)
-    ids = [engine.add_request([10 * i + 1, 10 * i + 2], SamplingParams(max_tokens=8, temperature=0)) for i in range(4)]
+    requests = {engine.add_request(p, SamplingParams(max_tokens=8, temperature=0)): (p, 8)
+                for p in ([10 * i + 1, 10 * i + 2] for i in range(4))}
     while not engine.in_flight:  # between steps, a full pipeline of depth 2 holds one step in flight
         engine.step()
-    victim = next(s.request for s in engine.in_flight[0][0].scheduled)
-    assert victim.in_flight
-    assert engine.abort(victim.request_id)
-    done = finish(engine, never=victim.request_id)
-    for i, request_id in enumerate(ids):
-        if request_id != victim.request_id:
-            assert done[request_id].outputs[0].token_ids == expected_output([10 * i + 1, 10 * i + 2], 8)
-    assert engine.kv.num_free_pages == engine.kv.num_pages
+    abort_spares_the_others(engine, next(s.request for s in engine.in_flight[0][0].scheduled), requests)
 
 
 def test_one_deep_pipeline_dispatches_and_collects_in_the_same_step():

@@ -62,6 +62,18 @@ def finish(engine, never: str | None = None) -> dict:
     return done
 
 
+def abort_spares_the_others(engine, victim, requests: dict) -> None:
+    """Aborts `victim` (a request in a step in flight) and runs the engine dry: it gets no output,
+    the others (`requests`: request id -> (prompt, max_tokens)) their right ones, every page comes back."""
+    assert victim.in_flight
+    assert engine.abort(victim.request_id)
+    done = finish(engine, never=victim.request_id)
+    for request_id, (prompt, max_tokens) in requests.items():
+        if request_id != victim.request_id:
+            assert done[request_id].outputs[0].token_ids == expected_output(prompt, max_tokens)
+    assert engine.kv.num_free_pages == engine.kv.num_pages
+
+
 def mixed_workload(n=10):
     return [([(7 * i + j) % VOCAB for j in range(3 + (5 * i) % 13)], 1 + (3 * i) % 9) for i in range(n)]
 
