@@ -154,7 +154,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, help="tokens per forward pass")
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="plan and dispatch each step while the one before computes, hiding host work (default "
-                            "on; one pipeline stage, no speculative decoding; --no-async-scheduling steps one at a time)")
+                            "on; one pipeline stage, no draft model; --no-async-scheduling steps one at a time)")
     group.add_argument("--page-size", type=int, help="tokens per KV page")
     group.add_argument("--kv-cache-memory", type=byte_size,
                        help="KV cache per device, e.g. 1GiB, 512MiB or bytes (default: sized from "

@@ -304,7 +304,7 @@ class SchedulerConfig:
     max_num_seqs: int = 32  # requests running at once
     max_num_batched_tokens: int = 512  # tokens in one forward pass (prefill + decode)
     # vLLM's async scheduling: plan and dispatch the next step while the current one computes
-    # (engine/scheduler.py); applies with one pipeline stage and no speculative decoding
+    # (engine/scheduler.py); applies with one pipeline stage and no draft model
     async_scheduling: bool = True
 
     def __post_init__(self) -> None:

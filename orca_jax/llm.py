@@ -61,7 +61,7 @@ class LLM:
         override the compiled step shapes (default: powers of two up to the limits). `config`: a whole
         EngineConfig (e.g. from a TOML file), used instead of the engine keyword arguments.
         `async_scheduling`: plan and dispatch each step while the one before computes (vLLM's flag;
-        with one pipeline stage and no speculative decoding; the outputs are the same either way).
+        with one pipeline stage and no draft model; the outputs are the same either way).
         `speculative_config`: vLLM's dict (or a SpeculativeConfig), e.g. {"method": "ngram",
         "num_speculative_tokens": 4}; None: no speculative decoding.
         `distributed`: a multihost.DistributedConfig when this process leads others (after

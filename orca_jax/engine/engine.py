@@ -71,10 +71,11 @@ class LLMEngine:
             raise ValueError(f"speculative_config asks for {spec.num_speculative_tokens} draft tokens but the runner "
                              f"was built for {runner.kv_layout.num_speculative_tokens}; build both from one config")
         self.drafts = None if spec is None else DraftPolicy(spec)
-        # Async scheduling: one stage, no drafts (their verification needs each step's result on
-        # the host), and a runner that feeds sampled tokens
-        self.plans_ahead = (config.scheduler.async_scheduling and runner.max_in_flight == 1 and self.drafts is None
-                            and runner.feeds_sampled_tokens)
+        # Async scheduling: one stage, a runner that feeds sampled tokens, and no draft model (its
+        # drafts come from a program of its own after each step; n-gram drafts hold back only the
+        # steps that verify them: scheduler.py)
+        self.plans_ahead = (config.scheduler.async_scheduling and runner.max_in_flight == 1
+                            and (spec is None or spec.method == "ngram") and runner.feeds_sampled_tokens)
         self.max_in_flight = 2 if self.plans_ahead else runner.max_in_flight  # steps dispatched at once
         self.scheduler = make_scheduler(config.scheduler, self.kv, max_seqs_per_step=per_step, drafts=self.drafts,
                                         max_model_len=self.max_model_len, plans_ahead=self.plans_ahead)

@@ -39,7 +39,9 @@ samples a token is planned again right away, one position further on (`_plan_ahe
 token is that step's sampled token, which the runner feeds on the device (`fed_from_row`), so
 nothing waits for it on the host. A request whose next step needs its result on the host first
 (drafts to verify, a grammar or penalties that depend on the new token, a prompt chunk that
-samples nothing) holds the next plan back until its step is in (`_holds_back`). A request that
+samples nothing) holds the next plan back until its step is in (`_holds_back`). Speculating with
+n-grams, so does a request whose step in flight will likely propose drafts (`_expects_drafts`):
+a step planned ahead could not verify them. A request that
 the step in flight ends by length is not planned again; one that a stop token or string ends has
 computed one token too many, which is dropped (its pages were freed, the step in flight writes
 no page another request holds: freed pages are only reused by later steps).
@@ -175,10 +177,10 @@ class Scheduler:
     # ---- planning ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._count_decoding()
         if self.plans_ahead and any(self._holds_back(r) for r in self.running):
             return out  # wait for the step in flight
         budget = self.config.max_num_batched_tokens
-        self._count_decoding()
         for request in self._running_order():
             if request.status != RequestStatus.RUNNING or budget == 0:
                 continue
@@ -210,7 +212,18 @@ class Scheduler:
         planned = request.step_in_flight
         return bool(request.in_flight) and not request.finished and (
             not planned.samples or bool(planned.draft_token_ids) or request.grammar is not None
-            or request.params.uses_penalties)
+            or request.params.uses_penalties or self._expects_drafts(request))
+
+    def _expects_drafts(self, request: Request) -> bool:
+        """Speculating, whether the step in flight of a request is likely to propose drafts it would
+        verify: a step planned ahead could not verify them (its tokens are not known yet), so they are
+        worth the wait. Likely after a prompt (a prompt lookup's best chance), or when the latest
+        result's proposals would have been verified; a request without matches keeps planning ahead."""
+        if self.drafts is None:
+            return False
+        planned = request.step_in_flight
+        return (planned.start < len(request.prompt_token_ids)
+                or self.drafts.num_drafts(request, self._drafts_left, self.max_model_len) > 0)
 
     def _plan_ahead(self, out: SchedulerOutput, request: Request) -> bool:
         """Async scheduling: plans a request's next decode while its step that samples the token
@@ -222,7 +235,7 @@ class Scheduler:
         if (num_outputs >= request.params.max_tokens or start + 1 >= self.max_model_len
                 or not self.kv.allocate(request, start + 1)):
             return False
-        scheduled = ScheduledRequest(request, 1, start, fed_from_row=planned.row)
+        scheduled = ScheduledRequest(request, 1, start, proposes=self._proposes(), fed_from_row=planned.row)
         out.scheduled.append(scheduled)
         request.step_in_flight = scheduled
         return True
@@ -321,9 +334,13 @@ class Scheduler:
             request.metrics.first_scheduled_time = time.monotonic()
         self.running.append(request)
 
+    def _proposes(self) -> bool:
+        """Whether the device proposes drafts after the step being planned."""
+        return self.drafts is not None and self.drafts.proposes(self._num_decoding)
+
     def _plan(self, out: SchedulerOutput, request: Request, num_new: int, drafts: list[int] = ()) -> None:
-        proposes = self.drafts is not None and self.drafts.proposes(self._num_decoding)
-        scheduled = ScheduledRequest(request, num_new + len(drafts), request.num_computed_tokens, list(drafts), proposes)
+        scheduled = ScheduledRequest(request, num_new + len(drafts), request.num_computed_tokens, list(drafts),
+                                     self._proposes())
         out.scheduled.append(scheduled)
         request.step_in_flight = scheduled
 

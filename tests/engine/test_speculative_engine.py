@@ -40,9 +40,15 @@ def tiny_requests(sampling):
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_speculation_on_equals_off_every_policy(tiny_runner, tiny_spec_runner, tiny_trained, policy, sampling):
+    # Greedy runs with async scheduling (n-gram steps without drafts are planned ahead). Seeded runs
+    # without it: at its temperature the workload proposes only a couple of drafts, which async
+    # scheduling does not verify (the step planned ahead in the meantime draws another token).
+    limits = TINY_LIMITS | {"async_scheduling": sampling == "greedy"}
     engine, schedules = speculating_equals_plain(tiny_runner, tiny_spec_runner, tiny_trained, policy,
-                                                 tiny_requests(sampling), SPEC, TINY_LIMITS)
+                                                 tiny_requests(sampling), SPEC, limits)
     assert engine.drafts.stats.num_draft_tokens > 0
+    if sampling == "greedy" and policy != "static":  # steps without drafts overlapped
+        assert engine.plans_ahead and engine.in_flight_depths[2] > 0
     # Drafting requests shared steps with requests that verified none (prefills, plain decodes).
     assert any(p.num_draft_tokens and any(not s.draft_token_ids for s in p.scheduled) for p in schedules)
     assert tiny_spec_runner.num_compilations_after_warmup == 0

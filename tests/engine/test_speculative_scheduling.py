@@ -28,7 +28,8 @@ def wrong_drafts(token):
 
 
 def spec_engine(policy, propose=right_drafts, *, depth=1, num_pages=64, page_size=4, max_num_seqs=4,
-                max_num_batched_tokens=64, prefix_caching=False, disable_by_batch_size=8):
+                max_num_batched_tokens=64, prefix_caching=False, disable_by_batch_size=8, feeds=False):
+    """`feeds`: a runner that feeds sampled tokens, so the engine schedules asynchronously."""
     config = EngineConfig(
         model="mock",
         cache=CacheConfig(page_size=page_size, enable_prefix_caching=prefix_caching),
@@ -36,7 +37,8 @@ def spec_engine(policy, propose=right_drafts, *, depth=1, num_pages=64, page_siz
         speculative_config=SpeculativeConfig(num_speculative_tokens=K, disable_by_batch_size=disable_by_batch_size),
     )
     runner = MockRunner(num_pages, page_size, VOCAB, max_in_flight=depth, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens, num_speculative_tokens=K, propose=propose)
+                        max_num_batched_tokens=max_num_batched_tokens, num_speculative_tokens=K, propose=propose,
+                        feeds_sampled_tokens=feeds)
     engine = LLMEngine(config, MODEL, runner, tokenizer=None)
     engine.schedules = record_schedules(engine)
     return engine
@@ -76,6 +78,41 @@ def test_right_drafts_take_fewer_steps_than_no_drafts():
     run(without, workload)
     assert with_drafts.num_steps < 0.6 * without.num_steps
     assert without.drafts.stats.num_draft_tokens == 0
+
+
+def no_drafts(token):
+    return []
+
+
+def drafts_in_runs(token):
+    """Right drafts after runs of tokens, none after the others: matches come and go, and last a
+    few tokens (as a copied span's do)."""
+    return right_drafts(token) if token % 16 < 8 else []
+
+
+@pytest.mark.parametrize("propose", [no_drafts, right_drafts, drafts_in_runs])
+@pytest.mark.parametrize("policy", ["orca", "paged", "chunked"])
+def test_async_scheduling_plans_ahead_the_steps_without_drafts(policy, propose):
+    """With async scheduling, a step that verifies drafts waits for the result before it (its
+    drafts come from there), and a request whose step in flight is unlikely to propose any is
+    planned ahead: without matches every decode overlaps, with right drafts none are lost."""
+    workload = [(prompt, 64) for prompt, _ in long_workload()]  # long enough for runs to come and go
+    engine = spec_engine(policy, propose, feeds=True, num_pages=128)
+    outputs, _ = run(engine, workload)
+    for (prompt, max_tokens), out in zip(workload, outputs):
+        assert out.outputs[0].token_ids == expected_output(prompt, max_tokens)
+    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert engine.plans_ahead
+    sync = spec_engine(policy, propose, num_pages=128)
+    run(sync, workload)
+    overlapped = engine.in_flight_depths[2]
+    drafted, sync_drafted = engine.drafts.stats.num_draft_tokens, sync.drafts.stats.num_draft_tokens
+    if propose is no_drafts:
+        assert drafted == 0 and overlapped > 0
+    elif propose is right_drafts:  # as many drafts verified, as few steps, as without async scheduling
+        assert drafted > 0 and engine.num_steps <= sync.num_steps
+    else:  # a run of matches starts a step late (the step planned ahead), then its drafts are verified
+        assert overlapped > 0 and drafted >= 0.8 * sync_drafted > 0
 
 
 @pytest.mark.parametrize("policy", ["paged", "chunked"])
