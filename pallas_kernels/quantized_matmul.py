@@ -49,8 +49,12 @@ LANES = 16  # the native kernel's vector width, which fixes its summation order
 # float32 GEMM (fused multiply-adds on register tiles) computes faster than the kernel dequantizes and
 # multiplies, and the dequantized copy is spread over the rows. Measured twice on shared cores (Intel
 # Xeon, 2026-12-01, bench/bench_quantized_matmul.py): native ahead up to 16 rows in both runs, the
-# crossover between 32 and 128 rows; 16 keeps every decode bucket on the native kernel.
-NATIVE_MAX_TOKENS = 16
+# crossover between 32 and 128 rows. On an AVX2-only AMD Zen 3 (2026-12-03, 30 layers of Q4_1, calls
+# chained) the native kernel stays ahead up to 128 rows: 32 rows 102 against 345 ms, 64 rows 208
+# against 425. 32 = the default max_num_seqs, so every decode step of the default engine runs the
+# native kernel: with 16, the steps of 17-32 sequences dequantized every matrix through XLA, and 64
+# requests at 32 in flight (Q4_1, Zen 3, alternated twice) went 42.9 / 47.8 -> 70.0 / 73.5 tok/s.
+NATIVE_MAX_TOKENS = 32
 # For f32 rows XLA's own dot is the other side: a 1-row dot runs on one thread near memory speed
 # already; at 2-8 rows the kernel's reading every row once on every thread wins (Intel Xeon,
 # 2026-12-01, 30 layers of SmolLM2's matrices, 4 x 4 AVX-512 tile: 4 rows 18.7-24.1 against
