@@ -49,9 +49,9 @@ LANES = 16  # the native kernel's vector width, which fixes its summation order
 # float32 GEMM (fused multiply-adds on register tiles) computes faster than the kernel dequantizes and
 # multiplies, and the dequantized copy is spread over the rows. Measured twice on shared cores (Intel
 # Xeon, 2026-12-01, bench/bench_quantized_matmul.py): native ahead up to 16 rows in both runs, the
-# crossover between 32 and 128 rows. On an AVX2-only AMD Zen 3 (2026-12-03, 30 layers of Q4_1, calls
-# chained) the native kernel stays ahead up to 128 rows: 32 rows 102 against 345 ms, 64 rows 208
-# against 425. 32 = the default max_num_seqs, so every decode step of the default engine runs the
+# crossover between 32 and 128 rows. On an AVX2-only AMD Zen 3 (2026-12-03, that bench's 30 layers
+# of Q4_1 chained in one program) 32 rows took 102 against 345 ms, 64 rows 208 against 425 (in a
+# 5-layer program XLA's side was level at 64 rows). 32 = the default max_num_seqs, so every decode step of the default engine runs the
 # native kernel: with 16, the steps of 17-32 sequences dequantized every matrix through XLA, and 64
 # requests at 32 in flight (Q4_1, Zen 3, alternated twice) went 42.9 / 47.8 -> 70.0 / 73.5 tok/s.
 NATIVE_MAX_TOKENS = 32
