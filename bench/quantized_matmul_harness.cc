@@ -3,9 +3,8 @@
 // 32-weight block and row. bench_quantized_matmul.py times the kernel as a model calls it (two
 // threads, a fixed cost per call); this isolates the instructions of one block, for tuning a tile.
 //
-//   g++ -O3 -std=c++20 -I pallas_kernels/cpu \
-//       -isystem "$(.venv/bin/python -c 'import jax; print(jax.ffi.include_dir())')" \
-//       bench/quantized_matmul_harness.cc -o /tmp/qm_harness
+//   JAX_FFI=$(.venv/bin/python -c 'import jax; print(jax.ffi.include_dir())')
+//   g++ -O3 -std=c++20 -I pallas_kernels/cpu -isystem "$JAX_FFI" bench/quantized_matmul_harness.cc -o /tmp/qm_harness
 //   /tmp/qm_harness avx2 100     # variant (avx512, avx2, base: one the CPU has); matrices streamed
 //
 // With 1 matrix the weights stay in cache; with 100 (55 MB) they come from memory, as in a decode step.
@@ -16,30 +15,34 @@
 #include <cstring>
 #include <random>
 
-extern "C" int OrcaNativeIsa() { return 0; }  // the library's selector; this harness picks directly
+// The variant the kernel file's own dispatch (pick) takes: the library's selector, set from argv.
+static int g_isa = -1;
+extern "C" int OrcaNativeIsa() { return g_isa; }
 
 int main(int argc, char** argv) {
+  const char* names[] = {"avx512", "avx2", "base"};  // OrcaNativeIsa's numbering
   const char* isa = argc > 1 ? argv[1] : "avx2";
   const int matrices = argc > 2 ? std::atoi(argv[2]) : 1;
-  ItemFn item = nullptr;
+  for (int i = 0; i < 3; ++i)
+    if (!std::strcmp(isa, names[i])) g_isa = i;
 #if defined(__x86_64__)
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
-  if (!std::strcmp(isa, "avx512") && avx512) item = avx512::item<Format::kQ4_1>;
-  if (!std::strcmp(isa, "avx2") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    item = avx2::item<Format::kQ4_1>;
+  // A variant the CPU lacks would die on its first instruction.
+  if ((g_isa == 0 && !__builtin_cpu_supports("avx512f")) || (g_isa == 1 && !__builtin_cpu_supports("avx2"))) g_isa = -1;
+#else
+  if (g_isa != 2) g_isa = -1;
 #endif
-  if (!std::strcmp(isa, "base")) item = base::item<Format::kQ4_1>;
-  if (!item || matrices < 1) {
+  if (g_isa < 0 || matrices < 1) {
     std::fprintf(stderr, "usage: %s avx512|avx2|base [matrices >= 1] (a variant this CPU has)\n", argv[0]);
     return 2;
   }
+  const ItemFn item = pick(Format::kQ4_1);
   const int64_t out = 1536, in = 576, blocks = in / kBlock, row_bytes = blocks * block_bytes(Format::kQ4_1);
   std::vector<uint8_t> w(static_cast<size_t>(matrices) * out * row_bytes);
   std::mt19937 rng(0);
   for (auto& byte : w) byte = static_cast<uint8_t>(rng());
-  for (size_t block = 0; block < w.size() / 20; ++block) {  // finite f16 d = 0.0664 and m = -0.0664
-    w[block * 20 + 0] = 0x40, w[block * 20 + 1] = 0x2c, w[block * 20 + 2] = 0x40, w[block * 20 + 3] = 0xac;
+  const int64_t bytes = block_bytes(Format::kQ4_1);
+  for (uint8_t* block = w.data(); block < w.data() + w.size(); block += bytes) {  // f16 d = 0.0664, m = -d
+    block[0] = 0x40, block[1] = 0x2c, block[2] = 0x40, block[3] = 0xac;
   }
   std::printf("Q4_1, %s variant, %d matrices of %lld x %lld, one thread\n", isa, matrices, static_cast<long long>(out),
               static_cast<long long>(in));

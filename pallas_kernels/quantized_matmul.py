@@ -51,9 +51,10 @@ LANES = 16  # the native kernel's vector width, which fixes its summation order
 # Xeon, 2026-12-01, bench/bench_quantized_matmul.py): native ahead up to 16 rows in both runs, the
 # crossover between 32 and 128 rows. On an AVX2-only AMD Zen 3 (2026-12-03, that bench's 30 layers
 # of Q4_1 chained in one program) 32 rows took 102 against 345 ms, 64 rows 208 against 425 (in a
-# 5-layer program XLA's side was level at 64 rows). 32 = the default max_num_seqs, so every decode step of the default engine runs the
-# native kernel: with 16, the steps of 17-32 sequences dequantized every matrix through XLA, and 64
-# requests at 32 in flight (Q4_1, Zen 3, alternated twice) went 42.9 / 47.8 -> 70.0 / 73.5 tok/s.
+# 5-layer program XLA's side was level at 64 rows). 32 = the default max_num_seqs (a test holds them
+# together), so every decode step of the default engine runs the native kernel: with 16, the steps of
+# 17-32 sequences dequantized every matrix through XLA, and 64 requests at 32 in flight (Q4_1, the
+# Zen 3, alternated twice) went 42.9 / 47.8 -> 70.0 / 73.5 tok/s.
 NATIVE_MAX_TOKENS = 32
 # For f32 rows XLA's own dot is the other side: a 1-row dot runs on one thread near memory speed
 # already; at 2-8 rows the kernel's reading every row once on every thread wins (Intel Xeon,
