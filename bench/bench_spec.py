@@ -3,7 +3,8 @@ once, on a copy-heavy workload (answers that repeat their prompt) and on the `th
 
     python bench/bench_spec.py [--num-requests 9] [--throughput-requests 32] [--draft-model NAME]
                                [--modes off,ngram,draft_model] [--cases copy1,copy16,throughput16]
-                               [--num-speculative-tokens 4] [--matmul-impl auto|native|xla]
+                               [--num-speculative-tokens 4] [--prompt-lookup-min 1]
+                               [--matmul-impl auto|native|xla]
                                [--out bench/results/spec_new.json]
 
 Every engine runs the same greedy requests (outputs must be identical, token for token; the JSON
@@ -40,11 +41,11 @@ from orca_jax.engine.step_plan import padding_plan  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CASES = ("copy1", "copy16", "throughput16")
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
 
-def modes(draft_model: str, names: list[str], k: int = 4) -> dict:
-    every = {"off": None, "ngram": NGRAM | {"num_speculative_tokens": k},
+def modes(draft_model: str, names: list[str], k: int = 4, lookup_min: int = 1) -> dict:
+    every = {"off": None, "ngram": NGRAM | {"num_speculative_tokens": k, "prompt_lookup_min": lookup_min},
              "draft_model": {"method": "draft_model", "model": draft_model, "num_speculative_tokens": k}}
     return {name: every[name] for name in names}
 
@@ -173,12 +174,14 @@ def main() -> None:
     parser.add_argument("--draft-model", default=None, help="draft_model's model (default: the target itself)")
     parser.add_argument("--modes", default="off,ngram,draft_model", help="comma-separated; off always runs")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="k, for ngram and draft_model")
+    parser.add_argument("--prompt-lookup-min", type=int, default=NGRAM["prompt_lookup_min"],
+                        help="ngram's shortest n-gram that counts as a match")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--matmul-impl", choices=MATMUL_IMPL_CHOICES, default="auto",
                         help="the float matrices' matmuls, for every engine (README, matmul_impl)")
     args = parser.parse_args()
     names = ["off"] + [m for m in args.modes.split(",") if m and m != "off"]
-    specs = modes(args.draft_model or args.model, names, args.num_speculative_tokens)
+    specs = modes(args.draft_model or args.model, names, args.num_speculative_tokens, args.prompt_lookup_min)
 
     llms = {mode: LLM(args.model, max_num_seqs=16, max_num_batched_tokens=512, speculative_config=spec,
                       max_model_len=2048, matmul_impl=args.matmul_impl, show_progress=False)

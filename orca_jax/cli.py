@@ -199,7 +199,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "keys and json_object be unbounded (default true: only the keys a schema lists)")
     group.add_argument("--speculative-config", type=json_object_arg, metavar="JSON",
                        help="vLLM's flag: speculative decoding, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                            "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (README, Speculative decoding)")
+                            "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' (README, Speculative decoding)")
     hosts = parser.add_argument_group(
         "multi-host (start one process per host with the same flags; process 0 prints or serves, the others "
         "follow it; defaults from $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID)")

@@ -26,8 +26,11 @@ class RequestStatus(enum.Enum):
 class SpeculationState:
     """A request's record of its drafts (engine/speculation.py's estimate of their acceptance)."""
 
-    accepted: int = 0  # drafts accepted
-    trials: int = 0  # drafts accepted, plus one per step whose chain ended in a rejected draft
+    # Drafts accepted, and trials (drafts accepted plus one per step whose chain ended in a rejected
+    # draft), both decayed at each verifying step (engine/speculation.py). They start at the prior:
+    # 3/4, worth two trials, as an n-gram match is usually right (copying).
+    accepted: float = 1.5
+    trials: float = 2.0
     steps_since_probe: int = 0  # decode steps without drafts since the last with
 
 

@@ -11,9 +11,13 @@ one is a token of compute and a KV slot). Speculation only pays while extra rows
   requests decode;
 - acceptance: each request keeps its own estimate of the chance that a draft is accepted (drafts
   are accepted as a chain, so a run of a accepted then a miss is a + 1 Bernoulli trials with a
-  successes); it verifies the j drafts whose chance of all being accepted, rate^j, is at least
-  MIN_CHAIN_ACCEPTANCE. A request whose drafts keep failing drops to none, and gets one draft every
-  PROBE_INTERVAL steps so that its estimate can recover when its text turns repetitive.
+  successes), counting recent steps most (the counts decay by DECAY each verifying step: a text
+  copies in stretches, and the estimate must follow it in a few steps both ways). With rate r, verifying j drafts yields 1 + r + ... + r^j tokens on average for a step
+  that costs 1 + j * DRAFT_ROW_COST plain steps; one more draft raises the tokens per cost while
+  its chance r^(j+1) exceeds DRAFT_ROW_COST times the tokens expected so far, so a request verifies
+  drafts while that holds. A request whose drafts keep failing (r below DRAFT_ROW_COST) drops to
+  none, and gets one draft every PROBE_INTERVAL steps so that its estimate can recover when its
+  text turns repetitive.
 
 A request with a grammar (structured outputs) verifies only the drafts its grammar allows in a row
 (the scheduler asks the grammar), and each of its rows is masked by the grammar's state after the
@@ -27,11 +31,16 @@ from dataclasses import dataclass, field
 from orca_jax.config import SpeculativeConfig
 from orca_jax.engine.request import Request
 
-MIN_CHAIN_ACCEPTANCE = 0.4  # a draft is verified when all drafts up to it are this likely to pass
+# What one draft row adds to a one-sequence decode step, as a fraction of that step: SmolLM2 f32 with
+# the native matmuls (weights read once for up to 8 rows), one sequence with 0..7 drafts, 2 cores:
+# 32.6-35.2 ms with none, about +2.2 ms a draft (49.8-50.4 with 7) on an AMD EPYC Zen 3 (AVX2),
+# 2026-12-03; +2.5-3.5 ms on 36-42 ms on an Intel Xeon (AVX-512), 2026-12-02. (A threshold of 0.4
+# on the chance of a whole chain, as before, drafted as if a row cost about half a step.)
+DRAFT_ROW_COST = 0.07
 PROBE_INTERVAL = 16  # steps between single probing drafts of a request whose drafts fail
-# A new request's estimate starts at 3/4, worth four trials: an n-gram match is usually right (copying),
-# and a request whose drafts fail gets down to none within a few steps.
-PRIOR_ACCEPTED, PRIOR_TRIALS = 3, 4
+# The counts' decay at each verifying step: a request whose drafts all fail, from the prior of 3/4
+# (engine/request.py), verifies none after 8 steps; one whose probe passes drafts again at once.
+DECAY = 0.8
 
 
 @dataclass
@@ -81,10 +90,12 @@ class DraftPolicy:
         if not request.draft_token_ids:
             return 0
         spec = request.speculation
-        rate = (spec.accepted + PRIOR_ACCEPTED) / (spec.trials + PRIOR_TRIALS)
-        wanted = 0
-        while wanted < self.config.num_speculative_tokens and rate ** (wanted + 1) >= MIN_CHAIN_ACCEPTANCE:
+        rate = spec.accepted / spec.trials
+        wanted, expected_tokens = 0, 1.0
+        while (wanted < self.config.num_speculative_tokens
+               and rate ** (wanted + 1) >= DRAFT_ROW_COST * expected_tokens):
             wanted += 1
+            expected_tokens += rate ** wanted
         if wanted == 0 and spec.steps_since_probe >= PROBE_INTERVAL:
             wanted = 1
         # Never past what the request may still generate: the last accepted draft must leave room
@@ -99,8 +110,8 @@ class DraftPolicy:
             spec.steps_since_probe += 1
             return
         spec.steps_since_probe = 0
-        spec.accepted += num_accepted
-        spec.trials += num_accepted + (num_accepted < num_drafts)
+        spec.accepted = DECAY * spec.accepted + num_accepted
+        spec.trials = DECAY * spec.trials + num_accepted + (num_accepted < num_drafts)
         request.metrics.num_draft_tokens += num_drafts
         request.metrics.num_accepted_tokens += num_accepted
         self.stats.num_drafts += 1

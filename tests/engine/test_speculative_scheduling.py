@@ -197,6 +197,24 @@ def test_failing_drafts_drop_to_none_then_probe():
     engine = spec_engine("chunked", wrong_drafts, max_num_seqs=1)
     run(engine, [([1, 2], 60)])
     drafted = [p.num_draft_tokens for p in engine.schedules][1:]  # after the prefill
-    assert drafted[:5] == [3, 1, 1, 1, 0]  # the estimate starts at 3/4: 3/4, 3/5, 3/6, 3/7, 3/8
-    assert sum(drafted) <= 6 + 60 // PROBE_INTERVAL  # then only probes, one draft each
-    assert drafted.count(1) >= 3 + 2
+    # The estimate starts at 3/4 and decays by DECAY a failed step: 0.75, 0.46, 0.31, 0.22, 0.16, 0.12,
+    # 0.09, 0.07, then below DRAFT_ROW_COST. Each draft is verified while its chance (rate^j) is worth
+    # a row: rate^j >= DRAFT_ROW_COST * (1 + rate + ... + rate^(j-1)).
+    assert drafted[:9] == [3, 2, 2, 1, 1, 1, 1, 1, 0]
+    assert sum(drafted[8:]) <= 60 // PROBE_INTERVAL  # then only probes, one draft each
+    assert drafted[8:].count(1) >= 2
+
+
+def test_a_request_whose_text_turns_repetitive_drafts_again_within_a_few_steps():
+    """Drafts fail for the first 30 tokens, then every one passes (a copied span begins): the
+    estimate counts recent steps most, so after the probe that passes the request is back to all K
+    drafts within a few steps, not after as many right drafts as it saw wrong ones."""
+    engine = spec_engine("chunked", lambda token: wrong_drafts(token) if token < 32 else right_drafts(token),
+                         max_num_seqs=1)
+    run(engine, [([1, 2], 90)])
+    drafted = [p.num_draft_tokens for p in engine.schedules][1:]
+    first_zero = drafted.index(0)
+    probes = [i for i in range(first_zero, len(drafted)) if drafted[i] == 1 and drafted[i - 1] == 0]
+    assert probes[0] - first_zero == PROBE_INTERVAL, drafted
+    passed = probes[-1]  # the probe of the first copied token; those before it failed
+    assert K in drafted[passed + 1:passed + 4], drafted
