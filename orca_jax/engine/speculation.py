@@ -12,10 +12,12 @@ one is a token of compute and a KV slot). Speculation only pays while extra rows
 - acceptance: each request keeps its own estimate of the chance that a draft is accepted (drafts
   are accepted as a chain, so a run of a accepted then a miss is a + 1 Bernoulli trials with a
   successes), counting recent steps most (the counts decay by DECAY each verifying step: a text
-  copies in stretches, and the estimate must follow it in a few steps both ways). With rate r, verifying j drafts yields 1 + r + ... + r^j tokens on average for a step
-  that costs 1 + j * DRAFT_ROW_COST plain steps; one more draft raises the tokens per cost while
-  its chance r^(j+1) exceeds DRAFT_ROW_COST times the tokens expected so far, so a request verifies
-  drafts while that holds. A request whose drafts keep failing (r below DRAFT_ROW_COST) drops to
+  copies in stretches, and the estimate must follow it in a few steps both ways). With rate r,
+  verifying j drafts yields 1 + r + ... + r^j tokens on average for a step that costs
+  1 + j * DRAFT_ROW_COST plain steps; one more draft raises the tokens per cost while its chance
+  r^(j+1) exceeds DRAFT_ROW_COST times the tokens expected so far, so a request verifies drafts
+  while that holds (a draft model's k passes are spent whether its drafts are verified or not, so
+  the same rule holds for it). A request whose drafts keep failing (r below DRAFT_ROW_COST) drops to
   none, and gets one draft every PROBE_INTERVAL steps so that its estimate can recover when its
   text turns repetitive.
 

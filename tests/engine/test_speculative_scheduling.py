@@ -206,7 +206,7 @@ def test_failing_drafts_drop_to_none_then_probe():
 
 
 def test_a_request_whose_text_turns_repetitive_drafts_again_within_a_few_steps():
-    """Drafts fail for the first 30 tokens, then every one passes (a copied span begins): the
+    """Drafts fail while the tokens are below 32, then every one passes (a copied span begins): the
     estimate counts recent steps most, so after the probe that passes the request is back to all K
     drafts within a few steps, not after as many right drafts as it saw wrong ones."""
     engine = spec_engine("chunked", lambda token: wrong_drafts(token) if token < 32 else right_drafts(token),
