@@ -26,15 +26,18 @@ $(CHECKPOINT): | $(INSTALLED)
 	$(BIN)/orca-jax pull $(MODEL)
 
 # The main job: the OpenAI-compatible server on the default model, http://127.0.0.1:8000 (Ctrl-C
-# drains and stops it). HOST/PORT override the address.
+# drains and stops it). HOST/PORT override the address. It serves the model's own Q4_1 blocks
+# (`gguf`: 2.1-2.5x float32's speed for one request, level or ahead under load, 5.5x less memory;
+# README, Quantization); QUANTIZATION=none serves float32, the fidelity reference.
 HOST ?= 127.0.0.1
 PORT ?= 8000
+QUANTIZATION ?= gguf
 run: setup pull
-	$(BIN)/orca-jax serve --model $(MODEL) --host $(HOST) --port $(PORT)
+	$(BIN)/orca-jax serve --model $(MODEL) --quantization $(QUANTIZATION) --host $(HOST) --port $(PORT)
 
 # A batch of chat prompts through the offline engine (continuous batching, chunked prefill).
 generate: setup pull
-	$(BIN)/orca-jax generate --model $(MODEL) --chat --max-tokens 64 \
+	$(BIN)/orca-jax generate --model $(MODEL) --quantization $(QUANTIZATION) --chat --max-tokens 64 \
 		--policy chunked --max-num-seqs 16 --max-num-batched-tokens 256 \
 		"What is the capital of France?" \
 		"Write a haiku about the sea." \
