@@ -35,17 +35,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import copy_heavy_workload, mixed_workload  # noqa: E402
 
 from orca_jax import LLM, SamplingParams  # noqa: E402
-from orca_jax.config import MATMUL_IMPL_CHOICES, SchedulerConfig  # noqa: E402
+from orca_jax.config import MATMUL_IMPL_CHOICES, SchedulerConfig, SpeculativeConfig  # noqa: E402
 from orca_jax.engine.engine import LLMEngine  # noqa: E402
 from orca_jax.engine.step_plan import padding_plan  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CASES = ("copy1", "copy16", "throughput16")
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+DEFAULTS = SpeculativeConfig()  # k and the lookup lengths users get
 
 
-def modes(draft_model: str, names: list[str], k: int = 4, lookup_min: int = 1) -> dict:
-    every = {"off": None, "ngram": NGRAM | {"num_speculative_tokens": k, "prompt_lookup_min": lookup_min},
+def modes(draft_model: str, names: list[str], k: int, lookup_min: int) -> dict:
+    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": DEFAULTS.prompt_lookup_max,
+             "prompt_lookup_min": lookup_min}
+    every = {"off": None, "ngram": ngram,
              "draft_model": {"method": "draft_model", "model": draft_model, "num_speculative_tokens": k}}
     return {name: every[name] for name in names}
 
@@ -173,8 +175,9 @@ def main() -> None:
                         help="default: a new file beside the committed spec_ngram.json")
     parser.add_argument("--draft-model", default=None, help="draft_model's model (default: the target itself)")
     parser.add_argument("--modes", default="off,ngram,draft_model", help="comma-separated; off always runs")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="k, for ngram and draft_model")
-    parser.add_argument("--prompt-lookup-min", type=int, default=NGRAM["prompt_lookup_min"],
+    parser.add_argument("--num-speculative-tokens", type=int, default=DEFAULTS.num_speculative_tokens,
+                        help="k, for ngram and draft_model")
+    parser.add_argument("--prompt-lookup-min", type=int, default=DEFAULTS.prompt_lookup_min,
                         help="ngram's shortest n-gram that counts as a match")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--matmul-impl", choices=MATMUL_IMPL_CHOICES, default="auto",

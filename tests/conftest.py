@@ -172,14 +172,16 @@ def tiny_runner(tiny_trained):
     return warm_tiny_runner(tiny_trained, "xla")
 
 
-# Speculative decoding's runners: n-gram drafts of up to SPEC_TOKENS, proposed on the device.
+# Speculative decoding's runners: n-gram drafts of up to SPEC_TOKENS, proposed on the device, with
+# the default lookup lengths (what users get).
 SPEC_TOKENS = 4
 
 
 def spec_proposer():
+    from orca_jax.config import SpeculativeConfig
     from orca_jax.runner.speculation import NgramProposer
 
-    return NgramProposer(num_speculative_tokens=SPEC_TOKENS, lookup_min=2, lookup_max=4)
+    return NgramProposer.from_config(SpeculativeConfig(num_speculative_tokens=SPEC_TOKENS))
 
 
 @pytest.fixture(scope="session")

@@ -34,10 +34,11 @@ from orca_jax.config import SpeculativeConfig
 from orca_jax.engine.request import Request
 
 # What one draft row adds to a one-sequence decode step, as a fraction of that step: SmolLM2 f32 with
-# the native matmuls (weights read once for up to 8 rows), one sequence with 0..7 drafts, 2 cores:
-# 32.6-35.2 ms with none, about +2.2 ms a draft (49.8-50.4 with 7) on an AMD EPYC Zen 3 (AVX2),
-# 2026-12-03; +2.5-3.5 ms on 36-42 ms on an Intel Xeon (AVX-512), 2026-12-02. (A threshold of 0.4
-# on the chance of a whole chain, as before, drafted as if a row cost about half a step.)
+# the native matmuls (weights read once for up to 8 rows), 2 cores. AMD EPYC Zen 3 (AVX2 only),
+# 2026-12-03: 32.6-35.2 ms with no draft and about +2.2 ms a draft up to 7 (7%) in one timing, 37.0
+# -> 55.3 ms with 4 (12%) in another; Intel Xeon (AVX-512), 2026-12-02: +3-3.5 ms a draft on 36-42
+# ms. The lower figure is taken. (A threshold of 0.4 on the chance of a whole chain, as before,
+# drafted as if a row cost about half a step.)
 DRAFT_ROW_COST = 0.07
 PROBE_INTERVAL = 16  # steps between single probing drafts of a request whose drafts fail
 # The counts' decay at each verifying step: a request whose drafts all fail, from the prior of 3/4

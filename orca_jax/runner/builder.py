@@ -119,7 +119,7 @@ def proposer_of(config: EngineConfig, target: LoadedModel) -> NgramProposer | Dr
     if spec is None:
         return None
     if spec.method == "ngram":
-        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return NgramProposer.from_config(spec)
     if config.load_format == "dummy":
         raise ConfigError("speculative_config.method='draft_model' needs the target's real tokenizer and weights; "
                           "use load_format='auto', or method 'ngram' with dummy weights")

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from orca_jax.config import SpeculativeConfig
 from orca_jax.model.sampler import SamplerOutput, SamplingMetadata, draw_keys, processed_logits, scaled_logits
 
 # Salts folded into a row's (seed, token index) key, so each use of randomness is independent of
@@ -76,6 +77,10 @@ class NgramProposer:
     num_speculative_tokens: int  # k
     lookup_min: int
     lookup_max: int
+
+    @classmethod
+    def from_config(cls, spec: SpeculativeConfig) -> NgramProposer:
+        return cls(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
 
 @dataclasses.dataclass(frozen=True)
