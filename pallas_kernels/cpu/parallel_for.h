@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -45,6 +46,10 @@ class Share {
 template <typename F>
 void parallel_for(xla::ffi::ThreadPool& pool, int64_t count, F&& body) {
   const int64_t workers = std::clamp<int64_t>(pool.num_threads(), 1, std::max<int64_t>(count, 1));
+  if (workers == 1 || count > INT32_MAX) {  // one thread's work (or more items than a Share holds)
+    for (int64_t i = 0; i < count; ++i) body(i);
+    return;
+  }
   struct State {
     explicit State(int64_t workers) : shares(workers) {}
     std::vector<Share> shares;
