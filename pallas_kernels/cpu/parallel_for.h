@@ -57,13 +57,13 @@ void parallel_for(xla::ffi::ThreadPool& pool, int64_t count, F&& body) {
   };
   auto state = std::make_shared<State>(workers);
   for (int64_t w = 0; w < workers; ++w) state->shares[w].set(count * w / workers, count * (w + 1) / workers);
+  // Exactly `workers` calls of `work` (the caller's and workers - 1 pool tasks'): each owns a share.
   auto work = [state, count, workers, &body] {
     const int64_t me = state->arrived.fetch_add(1, std::memory_order_relaxed);
     int64_t finished = 0;
-    if (me < workers)
-      for (int64_t i; (i = state->shares[me].take_front()) >= 0; ++finished) body(i);
-    for (int64_t k = 1; k <= workers; ++k)
-      for (int64_t i; (i = state->shares[(me + k) % workers].take_back()) >= 0; ++finished) body(i);
+    for (int64_t i; (i = state->shares[me].take_front()) >= 0; ++finished) body(i);
+    for (int64_t other = 1; other < workers; ++other)  // own share is empty now: the others', from the back
+      for (int64_t i; (i = state->shares[(me + other) % workers].take_back()) >= 0; ++finished) body(i);
     if (finished && state->done.fetch_add(finished, std::memory_order_acq_rel) + finished == count)
       state->done.notify_all();
   };
