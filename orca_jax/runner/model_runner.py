@@ -72,8 +72,9 @@ log = logging.getLogger(__name__)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
-    """A StepPlan's token arrays as the layers' programs take them: one pytree, placed on a stage's
-    devices in one `device_put` (see step_plan.StepPlan for the fields' meaning)."""
+    """A StepPlan's token arrays as the layers' programs take them: one pytree, packed (packing.py)
+    and placed on a stage's devices by the program's call (see step_plan.StepPlan for the fields'
+    meaning)."""
 
     token_ids: Int[Array, " T"]
     token_source: Int[Array, " T"]  # -1, or the previous step's logit row whose sampled token it is
