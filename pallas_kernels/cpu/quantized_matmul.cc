@@ -50,6 +50,7 @@ namespace {
 constexpr int kLanes = 16;
 constexpr int kBlock = 32;    // weights per block: two vectors
 constexpr int kRowsPerItem = 32;  // work item: output rows one thread takes at a time
+constexpr int64_t kScaleChunk = 32;  // blocks a tile's loop takes at a time (AVX2 converts their scales first); a multiple of 4
 
 using vf = float __attribute__((vector_size(4 * kLanes)));
 using vi = int32_t __attribute__((vector_size(4 * kLanes)));
