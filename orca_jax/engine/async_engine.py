@@ -94,6 +94,7 @@ class AsyncLLMEngine:
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._ids = itertools.count()
+        self._first_runs_left = engine.runner.run_first_runs(limit=0)  # programs not yet run once
         self._thread = threading.Thread(target=self._run, name="orca-jax-engine", daemon=True)
         self._thread.start()
 
@@ -160,8 +161,15 @@ class AsyncLLMEngine:
     # ---- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
         while True:
+            idle = not self.engine.has_unfinished_requests()
+            if idle and self._inbox.empty() and self._first_runs_left:
+                # Idle time goes to the programs warm-up did not run, one at a time (a request
+                # arriving meanwhile waits for at most one): their first run is slow, see
+                # ModelRunner.run_first_runs.
+                self._first_runs_left = self.engine.runner.run_first_runs(limit=1)
+                continue
             # Block only when the engine is idle; otherwise just take what has arrived.
-            commands = [self._inbox.get()] if not self.engine.has_unfinished_requests() else []
+            commands = [self._inbox.get()] if idle else []
             while True:
                 try:
                     commands.append(self._inbox.get_nowait())

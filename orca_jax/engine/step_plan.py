@@ -242,6 +242,10 @@ class Runner(Protocol):
     def collect(self, pending: Any) -> dict[str, StepTokens]:
         """Waits for a dispatched step; the new tokens of every request whose step reached its end."""
 
+    def run_first_runs(self, limit: int | None = None) -> int:
+        """Runs up to `limit` (None: all) of the programs that have not run yet, on padding steps
+        (a program's first run is slow); returns how many are still to run."""
+
 
 class SampleRow(NamedTuple):
     """A logit row's request, and what comes before the token it samples: the drafts verified

@@ -226,6 +226,8 @@ class ModelRunner:
         self._zero_penalties: dict[int, tuple[jax.Array, jax.Array]] = {}
         self._warmed_up = False
         self._compilations_after_warmup = 0
+        self._first_runs: collections.deque[StepPlan] = collections.deque()  # padding steps for run_first_runs
+        self._programs_run: set[tuple[str, int]] = set()  # ("layers", T) and ("head", R) run at least once
         self.stats = RunnerStats()
 
     def _build_stage(self, index: int, model: Decoder, layers: range, mesh: Mesh, kv_shape) -> Stage:
@@ -377,11 +379,12 @@ class ModelRunner:
     # ---- compilation ---------------------------------------------------------------------
     def warm_up(self, show_progress: bool = True) -> float:
         """Compiles (or loads) every program, then runs one padding step through every stage, which
-        on several processes also opens each transfer between them. Returns seconds taken."""
+        on several processes also opens each transfer between them. Returns seconds taken. The
+        other programs' first runs are left to `run_first_runs` (see there)."""
         start = time.perf_counter()
         self.compile_programs(show_progress)
-        plan = padding_plan(self.buckets.tokens[0], self.buckets.row_buckets[0], self.kv_layout, self.config.vocab_size)
-        self._wait(self.run_plan(plan), 10 * self.step_timeout if self.step_timeout else None)
+        self._first_runs = collections.deque(self._padding_plans())
+        self.run_first_runs(limit=1)
         elapsed = time.perf_counter() - start
         self.stats = RunnerStats()
         if show_progress:
@@ -391,6 +394,31 @@ class ModelRunner:
                   f"stage(s) ready in {elapsed:.1f} s ({loaded} program(s) loaded from "
                   f"{self.executable_store.directory}, the others compiled)", file=sys.stderr)
         return elapsed
+
+    def _padding_plans(self) -> list[StepPlan]:
+        """Padding steps that between them run every layers program (token bucket) and every head
+        program (row bucket), smallest first."""
+        tokens, rows = self.buckets.tokens, self.buckets.row_buckets
+        return [padding_plan(tokens[i] if i < len(tokens) else tokens[0], rows[i] if i < len(rows) else rows[0],
+                             self.kv_layout, self.config.vocab_size) for i in range(max(len(tokens), len(rows)))]
+
+    def run_first_runs(self, limit: int | None = None) -> int:
+        """Runs up to `limit` (None: all) padding steps for programs that have not run yet; returns
+        how many programs are still to run. A program's first run is slow: XLA:CPU builds each of
+        its YNNPACK dot fusions' plans then (slinky simplifying loops, ~3 ms a dot), so the 30-layer
+        SmolLM2 program of 128 tokens took 1.0 s the first time and 0.2 s after (AMD EPYC Zen 3,
+        2026-12-03), ~6 s for all 10 token buckets. Warm-up runs only the smallest, to keep start-up
+        short; the server's engine thread runs the others while it has no request (async_engine),
+        so that stall does not fall on the first request of each bucket."""
+        timeout = 10 * self.step_timeout if self.step_timeout else None
+        done = 0
+        while self._first_runs and (limit is None or done < limit):
+            plan = self._first_runs.popleft()
+            if {("layers", plan.bucket[0]), ("head", plan.bucket[1])} <= self._programs_run:
+                continue  # real steps ran both programs already
+            self._wait(self.run_plan(plan), timeout)
+            done += 1
+        return len(self._first_runs)
 
     def compile_programs(self, show_progress: bool = False) -> None:
         """Every program a step can call, for the stages this process owns, ahead of time. A
@@ -495,6 +523,7 @@ class ModelRunner:
     def run_plan(self, plan: StepPlan) -> SamplerOutput | SpeculativeOutput:
         """Dispatches a plan through every stage; returns the result on the leader's devices (on a
         follower: a placeholder, its data on the leader)."""
+        self._programs_run |= {("layers", plan.bucket[0]), ("head", plan.bucket[1])}
         if not self.multi_process:
             return self._run_stages(plan)
         if self.followers is not None:

@@ -94,3 +94,31 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(async_en
     assert isinstance(failed, EngineStepError) and "device fell over" in str(failed)
     assert served[-1].outputs[0].token_ids == [7, 9, 11]
     assert async_engine.engine.kv.num_free_pages == async_engine.engine.kv.num_pages
+
+
+def test_idle_engine_runs_the_programs_warm_up_left(tiny_trained):
+    """Warm-up runs only the smallest buckets' programs; a program's first run is slow (XLA:CPU
+    builds its dot fusions' plans then), so the idle engine thread runs the others, before any
+    request needs them. A fresh runner: the shared one has run every program already."""
+    import time
+
+    from ..conftest import warm_tiny_runner
+
+    runner = warm_tiny_runner(tiny_trained, "xla")
+    assert runner.run_first_runs(limit=0) == 1  # buckets (16 tokens, 4 rows) ran; (64, 8) did not
+    ran = []
+    run_plan = runner.run_plan
+    runner.run_plan = lambda plan: (ran.append(plan.bucket), run_plan(plan))[1]
+    engine = AsyncLLMEngine(make_engine(runner, tiny_trained, "chunked", **TINY_LIMITS))
+    try:
+        deadline = time.monotonic() + 120
+        while runner.run_first_runs(limit=0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ran == [(64, 8)]  # no request was sent: the idle thread ran it, once
+
+        async def main():  # and requests are served as before
+            return await collect(engine, counting_sequence(2, 1)[:3], SamplingParams(temperature=0, max_tokens=5))
+
+        assert asyncio.run(main())[-1].outputs[0].token_ids == counting_sequence(2, 1)[3:8]
+    finally:
+        engine.shutdown(timeout=30)
