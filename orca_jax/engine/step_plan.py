@@ -244,7 +244,7 @@ class Runner(Protocol):
 
     def run_first_runs(self, limit: int | None = None) -> int:
         """Runs up to `limit` (None: all) of the programs that have not run yet, on padding steps
-        (a program's first run is slow); returns how many are still to run."""
+        (a program's first run is slow); returns how many such padding steps remain."""
 
 
 class SampleRow(NamedTuple):
