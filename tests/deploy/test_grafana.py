@@ -9,6 +9,7 @@ import re
 import yaml
 
 from orca_jax.engine.async_engine import EngineStats
+from orca_jax.engine.speculation import SpeculationStats
 from orca_jax.outputs import RequestMetrics
 from orca_jax.server.metrics import ServerMetrics
 
@@ -18,7 +19,8 @@ DASHBOARD = DEPLOY / "grafana" / "orca-jax.json"
 
 
 def exposed_series() -> set[str]:
-    metrics = ServerMetrics(lambda: EngineStats())
+    # With speculative decoding's counters, which a server exposes only when it speculates.
+    metrics = ServerMetrics(lambda: EngineStats(speculation=SpeculationStats(accepted_per_position=[0, 0])))
     metrics.on_finished(RequestMetrics(arrival_time=0.0), "stop", 5)  # labelled series appear once used
     text = metrics.render().decode()
     series = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
@@ -49,3 +51,16 @@ def test_the_panels_the_issue_asks_for():
         assert needed in text, needed
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_speculative_decoding_panels():
+    """Acceptance rate, tokens per verifying step and acceptance by position (vLLM's spec_decode
+    figures), each from the counters it needs."""
+    panels = {panel["title"]: json.dumps(panel["targets"]) for panel in json.loads(DASHBOARD.read_text())["panels"]}
+    needs = {"Draft acceptance rate": ("num_accepted_tokens_total", "num_draft_tokens_total"),
+             "Tokens per verifying step": ("num_accepted_tokens_total", "num_drafts_total"),
+             "Drafts accepted by position": ("num_accepted_tokens_per_pos_total", "num_drafts_total")}
+    for title, counters in needs.items():
+        assert title in panels, title
+        for counter in counters:
+            assert f"orca_jax_spec_decode_{counter}" in panels[title], (title, counter)
