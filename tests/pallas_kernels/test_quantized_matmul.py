@@ -21,9 +21,10 @@ from ..conftest import require_native
 
 GGUF_TYPES = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
               "q8_0": gguf.GGMLQuantizationType.Q8_0}
-# (T, in, out): decode (1-3 tokens), a prefill chunk, a full tile; SmolLM2's in = 576 and 1536; outputs
-# that leave a remainder of rows (577 = 4 * 144 + 1, 130) and of items (out not a multiple of 32).
-SHAPES = [(1, 576, 192), (2, 1536, 130), (3, 576, 577), (17, 1536, 64), (64, 576, 97)]
+# (T, in, out): decode (1-3 tokens), a sequence verifying 4 drafts (5 tokens: a full tile and one
+# token), a prefill chunk, a full tile; SmolLM2's in = 576 and 1536; outputs that leave a remainder of rows
+# (577 = 4 * 144 + 1, 130) and of items (out not a multiple of 32).
+SHAPES = [(1, 576, 192), (2, 1536, 130), (3, 576, 577), (5, 576, 130), (17, 1536, 64), (64, 576, 97)]
 
 
 def quantized(format: str, w: np.ndarray):
