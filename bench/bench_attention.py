@@ -14,6 +14,10 @@ bandwidth measured here with numpy, so a reader sees how close to memory speed t
 On CPU the native kernel runs once per instruction-set variant the CPU has (`native avx512`,
 `native avx2`, `native base`), so the AVX2 code an AVX2-only CPU runs is timed beside AVX-512's in one
 run; `--batches` and `--impls` narrow the table (e.g. `--batches "decode 64x256" --impls native`).
+A call of one decode token takes microseconds, less than dispatching a jitted call from Python, so
+`--chained N` times each implementation inside one jitted program of N + 1 calls, each fed the one
+before's output, against a program of one call: the difference over N is the per-call time a model's
+30 layers see (e.g. `--batches "decode 1x200" "decode 1x1000" --impls native --chained 30`).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ SHAPES = {  # heads, kv heads, head dim, dtype
 BATCHES = {  # [(kv_len, new tokens)] per sequence; decode tokens first, as the engine orders them
     "decode 64x256": [(256, 1)] * 64,
     "decode 64x512": [(512, 1)] * 64,
+    "decode 1x200": [(200, 1)],  # one request (use --chained: a lone call is mostly dispatch)
+    "decode 1x1000": [(1000, 1)],
     "prefill 512": [(512, 512)],
     "mixed": [(512, 1)] * 32 + [(480, 480)],
 }
@@ -57,7 +63,7 @@ def batch(kind: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype, pa
     mixed: 32 decodes (512 cached) + a 480-token prompt."""
     seqs = BATCHES[kind]
     rng = np.random.default_rng(seed)
-    max_pages = 512 // page_size + 1
+    max_pages = max(512, *(n for n, _ in seqs)) // page_size + 1  # (512: the pool the committed figures used)
     num_pages = len(seqs) * max_pages
     tables = rng.permutation(num_pages).reshape(len(seqs), max_pages).astype(np.int32)
     segments = np.concatenate([[s] * new for s, (_, new) in enumerate(seqs)]).astype(np.int32)
@@ -103,6 +109,28 @@ def timed(fn, args, repeat: int) -> float:
     return best
 
 
+def timed_in_program(fn, args, calls: int, repeat: int) -> float:
+    """Seconds per call of `fn` inside one jitted program: (calls + 1 chained calls) minus 1 call,
+    over `calls`, each the median of `repeat` runs (the difference of two best-ofs is noisier)."""
+    def program(n):
+        def run(q, *rest):
+            for _ in range(n):
+                q = fn(q, *rest).astype(q.dtype)
+            return q
+        return jax.jit(run)
+
+    def median(compiled):
+        jax.block_until_ready(compiled(*args))
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            times.append(time.perf_counter() - start)
+        return float(np.median(times))
+
+    return max(median(program(calls + 1)) - median(program(1)), 0.0) / calls
+
+
 def cpu_model() -> str:
     lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
@@ -115,8 +143,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS / f"attention_{backend}_new.json",
                         help="results JSON (default: a new file, not the committed attention_<backend>.json)")
-    parser.add_argument("--batches", nargs="+", choices=sorted(BATCHES), default=list(BATCHES))
+    parser.add_argument("--batches", nargs="+", choices=sorted(BATCHES),
+                        default=[kind for kind in BATCHES if not kind.startswith("decode 1x")])
     parser.add_argument("--impls", nargs="+", default=None, help="implementations by name prefix (default: all)")
+    parser.add_argument("--chained", type=int, default=0, metavar="N",
+                        help="time each call inside a program of N + 1 chained calls (default 0: lone calls)")
     args = parser.parse_args()
     shape = args.shape or ("13b" if backend == "gpu" else "smollm2")
     num_heads, num_kv_heads, head_dim, dtype = SHAPES[shape]
@@ -154,20 +185,21 @@ def main() -> None:
         for name, fn in impls.items():
             got = np.asarray(fn(*inputs), np.float32)
             error = float(np.abs(got - want).max())
-            seconds = timed(fn, inputs, repeat)
+            # (the call above also selected this variant: the kernel reads it at each call)
+            seconds = timed_in_program(fn, inputs, args.chained, 10 * repeat) if args.chained else timed(fn, inputs, repeat)
             row = {"batch": kind, "impl": name, "ms": 1000 * seconds, "max_abs_error": error,
                    "correct": error <= tolerance * max(1.0, float(np.abs(want).max()))}
             read = ""
-            if context:
+            if context and seconds > 0:  # (a chained difference within the noise can come out 0)
                 row["context_gb_per_s"] = context / seconds / 1e9
                 read = f"  context read {row['context_gb_per_s']:5.1f} GB/s (copy {copy_gbps:.1f})"
             rows.append(row)
-            print(f"{kind:14s} {name:17s} {1000 * seconds:9.2f} ms   max |error| {error:.2e}  "
+            print(f"{kind:14s} {name:17s} {1000 * seconds:9.3f} ms   max |error| {error:.2e}  "
                   f"{'ok' if row['correct'] else 'WRONG'}{read}", flush=True)
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"backend": backend, "cpu": cpu_model(), "jax": jax.__version__, "shape": shape,
-                               "dtype": str(jnp.dtype(dtype)), "copy_gb_per_s": copy_gbps, "load_average": os.getloadavg(), "rows": rows},
+                               "dtype": str(jnp.dtype(dtype)), "chained": args.chained, "copy_gb_per_s": copy_gbps, "load_average": os.getloadavg(), "rows": rows},
                               indent=2) + "\n")
     print(f"saved {out}")
 
