@@ -52,10 +52,22 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`. Special tokens written in the text (e.g. `<|im_start|>`) are parsed as
         such, as chat templates need."""
-        ids = self.hf.encode(text, add_special_tokens=False).ids
+        try:
+            ids = self.hf.encode(text, add_special_tokens=False).ids
+        except Exception as error:  # noqa: BLE001 - `tokenizers` raises a bare Exception naming what it lacked
+            raise ValueError(f"the prompt {_clip(text)!r} cannot be encoded by this model's tokenizer "
+                             f"({self._describe_model()}): {error}; write the prompt with the tokenizer's own "
+                             f"vocabulary ({TOKENIZER_FILE}), or pass token ids") from error
         if (self.add_bos_token if add_bos is None else add_bos) and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids
+
+    def _describe_model(self) -> str:
+        """E.g. "a WordLevel vocabulary of 66 tokens, no unknown token": the limit a prompt broke."""
+        unknown = getattr(self.hf.model, "unk_token", None)
+        has_unknown = unknown is not None and self.hf.token_to_id(unknown) is not None
+        return (f"a {type(self.hf.model).__name__} vocabulary of {self.vocab_size} tokens, "
+                f"{f'unknown token {unknown!r}' if has_unknown else 'no unknown token'}")
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -167,3 +179,8 @@ def byte_level_bpe(
     hf.decoder = decoders.ByteLevel()
     hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special_token_ids])
     return hf
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    """The start of a long prompt, for an error message."""
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -34,6 +34,16 @@ def test_generate_with_the_tiny_model_from_args_and_stdin():
     assert ">>> 60 61\n62 63\n>>> 50 53\n56 59 62\n" in result.stdout  # stops at </s>
 
 
+def test_generate_of_a_prompt_the_tokenizer_cannot_encode_is_one_error_line_not_a_traceback():
+    result = orca_jax("generate", "--model", str(REPO_ROOT / "checkpoints" / "tiny"), "--max-num-seqs", "4",
+                      "--max-num-batched-tokens", "16", "Hello")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the prompt 'Hello' cannot be encoded"), last
+    assert "no unknown token" in last
+
+
 def test_local_device_ids_of_a_single_process_name_the_fix():
     tiny = str(REPO_ROOT / "checkpoints" / "tiny")
     assert_one_error_line(orca_jax("generate", "--model", tiny, "--local-device-ids", "1", "3 5"),

@@ -39,6 +39,14 @@ def test_a_bad_request_rejects_the_batch_before_anything_is_queued(tiny_llm):
         SamplingParams(top_p=0.0)
 
 
+def test_a_prompt_the_tokenizer_cannot_encode_is_a_value_error_naming_it(tiny_llm):
+    # The tiny model's vocabulary is numbers and a few operators, with no unknown token.
+    with pytest.raises(ValueError, match=r"the prompt 'Hello' cannot be encoded .* WordLevel vocabulary of 66 "
+                                         r"tokens, no unknown token"):
+        tiny_llm.generate(["3 5", "Hello"], use_tqdm=False)
+    assert not tiny_llm.engine.has_unfinished_requests()  # the batch was refused whole
+
+
 def test_chat_and_text_with_smollm2(smollm2, smollm2_reference):
     llm = LLM("smollm2-135m-instruct", max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[64],
               seq_buckets=[4], kv_cache_memory=64 << 20, max_model_len=1024, show_progress=False)

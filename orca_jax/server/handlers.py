@@ -248,8 +248,8 @@ def _tokenize(engine: AsyncLLMEngine, prompt: str | list[int],
         raise invalid("this model has no tokenizer; send the prompt as a list of token ids", "prompt")
     try:
         return prompt, tokenizer.encode(prompt, add_bos=add_bos)
-    except Exception as error:  # noqa: BLE001 - the tokenizer's own message says what it could not encode
-        raise invalid(f"the prompt could not be tokenized: {error}", "prompt") from error
+    except ValueError as error:  # names the prompt and what the tokenizer lacks (Tokenizer.encode)
+        raise invalid(str(error), "prompt") from error
 
 
 def _decode(engine: AsyncLLMEngine, ids: list[int]) -> str:

@@ -47,7 +47,7 @@ BAD_COMPLETIONS = [
     ("stop_token_ids wrong type", {**GOOD, "stop_token_ids": ["a"]}, 400, "stop_token_ids", "integers"),
     ("min_tokens above max_tokens", {**GOOD, "min_tokens": 9}, 400, "min_tokens", "max_tokens"),
     ("seed negative", {**GOOD, "seed": -1}, 400, "seed", "seed"),
-    ("text prompt without a usable vocabulary", {**GOOD, "prompt": "hello"}, 400, "prompt", "tokenized"),
+    ("text prompt without a usable vocabulary", {**GOOD, "prompt": "hello"}, 400, "prompt", "cannot be encoded"),
 ]
 
 BAD_CHAT = [
