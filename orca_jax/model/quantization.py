@@ -25,23 +25,22 @@ import weakref
 from pathlib import Path
 from typing import Callable
 
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from orca_jax.checkpoint.gguf_import import GGUF_FILE, unpermute_llama_qk
 from orca_jax.config import ConfigError
 from orca_jax.model.layers import Dense, Embed, param
+from orca_jax.optional import import_optional
 from pallas_kernels.quantized_matmul import (BLOCK, FLOAT_NATIVE_MAX_TOKENS, NATIVE_MAX_TOKENS, check_weights,
                                              dequantize, quantize_int8, quantized_matmul)
 
 log = logging.getLogger(__name__)
 
-# GGUF tensor types served in place, and their kernel's format name.
-GGUF_KERNEL_FORMATS = {gguf.GGMLQuantizationType.Q4_0: "q4_0", gguf.GGMLQuantizationType.Q4_1: "q4_1",
-                       gguf.GGMLQuantizationType.Q8_0: "q8_0"}
+# GGUF tensor types (gguf.GGMLQuantizationType names) served in place, and their kernel's format name.
+# By name: `gguf` is imported only when a GGUF is served (orca_jax/optional.py).
+GGUF_KERNEL_FORMATS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +83,9 @@ def quantize_decoder(model: nnx.Module, quantization: str, checkpoint_dir: Path,
     kernel = functools.partial(Quantized, cpu_native=_native_kernel_loaded(), native_max_tokens=native_max_tokens)
     report = QuantizationReport({}, [], 0)
     if quantization == "gguf":
+        import_optional("gguf", "quantization='gguf'", ConfigError)  # gguf_import needs it
+        from orca_jax.checkpoint.gguf_import import GGUF_FILE
+
         _serve_gguf_blocks(model, Path(checkpoint_dir) / GGUF_FILE, kernel, report)
     elif quantization == "int8":
         for name, module in _matrices(model).items():
@@ -144,6 +146,10 @@ def _quantize_int8(name: str, module: Dense | Embed, kernel: Callable[[str], Qua
 
 
 def _serve_gguf_blocks(model, path: Path, kernel: Callable[[str], Quantized], report: QuantizationReport) -> None:
+    import gguf
+
+    from orca_jax.checkpoint.gguf_import import unpermute_llama_qk
+
     if not path.is_file():
         raise ConfigError(f"quantization='gguf' needs the GGUF file the checkpoint was imported from at {path}; "
                           f"checkpoints pulled or converted before it was kept lack it: run `orca-jax pull --force "
@@ -157,7 +163,7 @@ def _serve_gguf_blocks(model, path: Path, kernel: Callable[[str], Quantized], re
     heads = {"attn_q": model.config.n_heads, "attn_k": model.config.n_kv_heads}
     for name, module in _matrices(model).items():
         tensor = tensors.get(name)
-        fmt = None if tensor is None else GGUF_KERNEL_FORMATS.get(tensor.tensor_type)
+        fmt = None if tensor is None else GGUF_KERNEL_FORMATS.get(tensor.tensor_type.name)
         if fmt is None:
             kind = "missing" if tensor is None else tensor.tensor_type.name
             log.warning("%s: %s in %s has no quantized kernel; computed from the checkpoint's float weights",
