@@ -20,6 +20,7 @@ from orca_jax.checkpoint.store import (
     resolve_checkpoint_dir,
 )
 from orca_jax.config import ModelConfig, load_model_preset, load_toml, model_preset_names
+from orca_jax.optional import import_optional
 
 
 def convert(source: str | Path, name: str, out_dir: str | Path | None = None) -> Path:
@@ -34,6 +35,7 @@ def convert(source: str | Path, name: str, out_dir: str | Path | None = None) ->
     if not source.exists():
         raise CheckpointError(f"{source} does not exist; pass a .gguf file or a Hugging Face model folder")
     if source.is_file() and source.suffix == ".gguf":
+        import_optional("gguf", f"reading {source}", CheckpointError)  # before gguf_import, which needs it
         from orca_jax.checkpoint.gguf_import import GGUF_FILE, GGUFImportError, open_gguf
 
         try:

@@ -22,13 +22,17 @@ from __future__ import annotations
 import collections
 import json
 import threading
+from typing import TYPE_CHECKING
 
-import llguidance
 import numpy as np
 
 from orca_jax.engine.json_schema import BOUNDED_OBJECT, close_objects
+from orca_jax.optional import import_optional
 from orca_jax.sampling_params import StructuredOutputsParams
 from orca_jax.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import llguidance
 
 # JSON comes out as json.dumps writes it: ", " and ": ", no other whitespace (llguidance's default is
 # any run of it). With free whitespace a small model can pad with newlines until max_tokens instead
@@ -39,6 +43,12 @@ CACHE_SIZE = 128  # compiled constraints kept (a request that repeats one skips 
 
 class GrammarError(ValueError):
     """A constraint the grammar engine cannot compile; the message says what is wrong."""
+
+
+def _llguidance():
+    """llguidance, imported by the first constrained request: a server that never sees one runs
+    without it (orca_jax/optional.py). Missing, it is a GrammarError: the request is refused, naming it."""
+    return import_optional("llguidance", "structured outputs (a JSON schema, regex, choice or grammar)", GrammarError)
 
 
 class Grammar:
@@ -96,6 +106,7 @@ class GrammarCompiler:
         """A fresh matcher at the start of the constraint's grammar; GrammarError if it cannot be compiled."""
         strict = spec.disable_additional_properties
         grammar = llguidance_grammar(spec, self.disable_additional_properties if strict is None else strict)
+        llguidance = _llguidance()
         with self._lock:
             matcher = self._cache.get(grammar)
             if matcher is not None:
@@ -126,6 +137,7 @@ def llguidance_grammar(spec: StructuredOutputsParams, disable_additional_propert
     """The constraint in llguidance's grammar format (not yet checked against the tokenizer).
     `disable_additional_properties`: objects get only the keys their schema lists, json_object is
     bounded (engine/json_schema.py)."""
+    llguidance = _llguidance()
     try:
         if spec.json_object:
             schema = BOUNDED_OBJECT if disable_additional_properties else {"type": "object"}
