@@ -36,6 +36,8 @@ import numpy as np
 # This checkout's packages, not whichever orca_jax the environment installed (a script's own folder
 # is on sys.path, the current directory is not).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402
 from orca_jax.model.paged_attention import native_cache_dir, ragged_paged_attention_xla  # noqa: E402
 from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference  # noqa: E402
 from pallas_kernels import native  # noqa: E402
@@ -197,7 +199,7 @@ def main() -> None:
                   f"{'ok' if row['correct'] else 'WRONG'}{read}", flush=True)
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"backend": backend, "cpu": cpu_model(), "jax": jax.__version__, "shape": shape,
+    out.write_text(json.dumps({"machine": machine.describe(), "backend": backend, "cpu": cpu_model(), "jax": jax.__version__, "shape": shape,
                                "dtype": str(jnp.dtype(dtype)), "chained": args.chained, "copy_gb_per_s": copy_gbps, "load_average": os.getloadavg(), "rows": rows},
                               indent=2) + "\n")
     print(f"saved {out}")

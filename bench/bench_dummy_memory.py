@@ -2,9 +2,10 @@
 loopback (each process makes only its own stage's weights). TinyLlama 1.1B in float32 on CPU: the
 weights (4.4 GB) dominate; the generated ids must be the same both ways.
 
-    python bench/bench_dummy_memory.py          # writes bench/results/dummy_pp2_rss.json
+    python bench/bench_dummy_memory.py          # writes bench/results/dummy_memory_new.json
 """
 import json, os, subprocess, sys, time, psutil, socket
+import machine
 F = ("--model tinyllama-1.1b --load-format dummy --max-num-seqs 2 --max-num-batched-tokens 16 --kv-cache-memory 16MiB "
      "--max-model-len 128 --prompt-token-ids 1,450,7483 --max-tokens 4").split()
 env = {**os.environ, "JAX_PLATFORMS": "cpu"}; env.pop("JAX_NUM_CPU_DEVICES", None)
@@ -30,6 +31,6 @@ with socket.socket() as s:
 hosts = ["--pipeline-parallel-size", "2", "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2"]
 codes2, peaks2, outs2 = run([base + hosts + ["--process-id", "1"], base + hosts + ["--process-id", "0"]])
 print("two processes (follower, leader)", codes2, "peak RSS MiB", peaks2, outs2[1][0].strip().splitlines()[-1:], flush=True)
-json.dump({"model": "tinyllama-1.1b dummy float32 (4.4 GB of weights)", "one_process_peak_rss_mib": peaks[0],
+json.dump({"machine": machine.describe(), "model": "tinyllama-1.1b dummy float32 (4.4 GB of weights)", "one_process_peak_rss_mib": peaks[0],
            "two_processes_pp2_peak_rss_mib": {"leader": peaks2[1], "follower": peaks2[0]}},
-          open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "dummy_pp2_rss.json"), "w"), indent=2)
+          open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "dummy_memory_new.json"), "w"), indent=2)

@@ -15,10 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `orca-jax bench` runs it by path
+import machine  # noqa: E402
 
 from orca_jax.config import DEFAULT_MODEL, REPO_ROOT
 from orca_jax.tokenizer import Tokenizer
@@ -120,7 +124,7 @@ def main() -> None:
             print(f"{engine:10s} {name:11s} tokenizer {row['tokenizer_setup_ms']:7.1f} ms  compile "
                   f"{row['compile_ms']:7.2f} ms  mask median {row['mask_median_us']:6.1f} us  p90 "
                   f"{row['mask_p90_us']:6.1f} us  max {row['mask_max_us']:7.1f} us  ({row['tokens']} tokens)")
-    args.out.write_text(json.dumps(rows, indent=2) + "\n")
+    args.out.write_text(json.dumps({"machine": machine.describe(), "rows": rows}, indent=2) + "\n")
     print(f"saved {args.out}")
 
 

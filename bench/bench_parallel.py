@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402
 from orca_jax.sizes import byte_size  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -97,7 +98,7 @@ def main() -> None:
               f"{', '.join(f'{b:.0%}' for b in result['bubble'])}")
         del llm
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": args.model, "policy": args.policy, "num_requests": args.num_requests,
+    args.out.write_text(json.dumps({"machine": machine.describe(), "model": args.model, "policy": args.policy, "num_requests": args.num_requests,
                                     "devices": f"{len(jax.devices())} {platform}", "layouts": results}, indent=1))
     plot(results, args.out.with_suffix(".png"))
     print(f"saved {args.out} and {args.out.with_suffix('.png')}", file=sys.stderr)

@@ -11,7 +11,7 @@ channels jax.distributed offers against the TCP socket + pickle that orca_jax us
 Each step is a round trip: the leader sends a plan, the follower decodes it and acknowledges over
 the same channel, so the figure includes the follower's decoding. Two processes on loopback:
 
-    python bench/bench_plan_channel.py            # writes bench/results/plan_channel.json
+    python bench/bench_plan_channel.py            # writes bench/results/plan_channel_new.json
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import pickle
-import platform
 import socket
 import struct
 import subprocess
@@ -29,6 +28,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 LENGTH = struct.Struct("!Q")
@@ -166,7 +167,7 @@ def process_main(args) -> None:
                       flush=True)
     if is_leader:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"cpu": platform.processor() or platform.machine(), "processes": 2,
+        args.out.write_text(json.dumps({"machine": machine.describe(), "processes": 2,
                                         "results": results}, indent=2))
         print(f"wrote {args.out}")
 
@@ -175,7 +176,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--port", type=int, default=7461)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "plan_channel.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "plan_channel_new.json")
     parser.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.process_id is not None:

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # This checkout's packages, not whichever orca_jax the environment installed (a script's own folder
 # is on sys.path, the current directory is not).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import machine  # noqa: E402
 from bench_single_stream import copy_bandwidth, cpu_model  # noqa: E402
 
 from orca_jax.model.paged_attention import native_cache_dir  # noqa: E402
@@ -116,7 +117,7 @@ def main() -> None:
         print(f"T={tokens:4d}  {cells}  xla {row['xla_ms']:7.2f} ms  xla/{isas[0]} "
               f"{row['xla_ms'] / row[f'{isas[0]}_ms']:.2f}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"cpu": cpu_model(), "format": args.format, "layers": args.layers,
+    args.out.write_text(json.dumps({"machine": machine.describe(), "cpu": cpu_model(), "format": args.format, "layers": args.layers,
                                     "weight_bytes": nbytes, "copy_bytes_per_s": bandwidth, "isas": list(isas),
                                     "default_isa": chosen, "load_average": os.getloadavg(), "rows": rows}, indent=1))
     print(f"saved {args.out}")

@@ -50,6 +50,7 @@ from simulate import (
     predicted_wall_s,
     simulate,
 )
+import machine
 from stats import percentiles
 from workloads import WorkloadSpec, build_workload, describe, named_spec, save_jsonl, workload_lengths
 
@@ -422,7 +423,7 @@ def main(argv: list[str] | None = None) -> dict:
     model, curves = measure_step_times(llm.runner, args.max_num_seqs, tuple(args.contexts))
     workloads = [bench_workload(llm, kind, spec, model, args) for kind, spec in specs.items()]
 
-    results = {"model": args.model, "backend": jax.default_backend(), "jax": jax.__version__,
+    results = {"machine": machine.describe(), "model": args.model, "backend": jax.default_backend(), "jax": jax.__version__,
                "num_requests": args.num_requests, "max_num_seqs": args.max_num_seqs,
                "max_num_batched_tokens": args.max_num_batched_tokens, "page_size": llm.runner.page_size,
                "num_kv_pages": llm.runner.num_pages, "step_time_model": model.to_json(), "step_time_curves": curves,

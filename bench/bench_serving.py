@@ -34,6 +34,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402
 from stats import percentiles  # noqa: E402
 from workloads import build_workload, load_jsonl, named_spec  # noqa: E402
 
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         ensure_pulled(args.model, log=print)
         tokenizer = Tokenizer.load(resolve_checkpoint_dir(args.model))
         workload = build_workload(tokenizer, named_spec(args.workload, args.num_requests))
-    results = {"model": args.model, "workload": str(args.workload_file or args.workload),
+    results = {"machine": machine.describe(), "model": args.model, "workload": str(args.workload_file or args.workload),
                "num_requests": len(workload), "latency_target_s_per_token": args.latency_target,
                "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                "policies": {}}

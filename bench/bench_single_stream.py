@@ -27,6 +27,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+import machine
 from orca_jax import LLM, SamplingParams
 from orca_jax.config import MATMUL_IMPL_CHOICES, QUANTIZATION_CHOICES
 
@@ -107,7 +108,7 @@ def main() -> None:
                                       args.runs, bandwidth)
                 gc.collect()  # the previous engine's weights and KV pages go before the next one's
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"cpu": cpu_model(), "native_isa": native_isa(), "max_num_seqs": args.max_num_seqs,
+    args.out.write_text(json.dumps({"machine": machine.describe(), "cpu": cpu_model(), "native_isa": native_isa(), "max_num_seqs": args.max_num_seqs,
                                     "copy_bytes_per_s": bandwidth, "quantization": modes}, indent=1))
     print(f"saved {args.out}")
 

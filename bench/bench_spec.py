@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402
 from workloads import copy_heavy_workload, mixed_workload  # noqa: E402
 
 from orca_jax import LLM, SamplingParams  # noqa: E402
@@ -198,7 +199,7 @@ def main() -> None:
                   "copy16": ("copy-heavy, 16 at once", (copy_heavy, 16, False)),
                   "throughput16": ("throughput, 16 at once", (throughput, 16, True))}
     cases = dict(every_case[name] for name in args.cases.split(","))
-    results = {"cpu": cpu_name(), "jax": jax.__version__, "model": args.model, "dtype": "float32", "modes": names,
+    results = {"machine": machine.describe(), "cpu": cpu_name(), "jax": jax.__version__, "model": args.model, "dtype": "float32", "modes": names,
                "matmul_impl": llms["off"].runner.matmul_impl,
                "speculative_config": {m: spec for m, spec in specs.items() if spec}, "cases": {}}
     for case, (workload, concurrency, ignore_eos) in cases.items():

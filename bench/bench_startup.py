@@ -21,6 +21,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import machine
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -61,7 +63,7 @@ def main() -> None:
         second = time_to_health(cache, args.port, args.serve_flags, args.limit)
         print(f"second start (caches from the first): /health 200 after {second:.1f} s")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"serve_flags": args.serve_flags, "first_start_s": round(fresh, 1),
+    args.out.write_text(json.dumps({"machine": machine.describe(), "serve_flags": args.serve_flags, "first_start_s": round(fresh, 1),
                                     "second_start_s": round(second, 1)}, indent=2) + "\n")
     print(f"saved {args.out}")
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402
 from workloads import mixed_workload  # noqa: E402
 
 from orca_jax import LLM, SamplingParams  # noqa: E402
@@ -139,7 +140,7 @@ def main() -> None:
               kv_cache_dtype=args.kv_cache_dtype, attention_impl=args.attention_impl)
     llm.runner.run_first_runs()  # every program's slow first run, before the timing (a server's idle thread does it)
     workload = mixed_workload(llm.tokenizer, args.num_requests)
-    results = {"model": args.model, "backend": jax.default_backend(), "jax": jax.__version__,
+    results = {"machine": machine.describe(), "model": args.model, "backend": jax.default_backend(), "jax": jax.__version__,
                "num_requests": args.num_requests, "max_num_seqs": args.max_num_seqs,
                "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_dtype": args.kv_cache_dtype,
                "attention": llm.runner.attention_impl, "policies": []}

@@ -11,8 +11,10 @@
 #
 #   bench/compare_llama_cpp.sh [N]     # default 16; run from the repository root, on a quiet machine
 #
-# Writes bench/results/vs_llama_cpp_{orca_jax,orca_jax_gguf,q4_1,f32,single_stream}_new.json and prints
-# the tables.
+# Writes bench/results/vs_llama_cpp_{orca_jax,orca_jax_gguf,q4_1,f32,single_stream}_new.json, prints
+# the tables, and gathers the figures with the machine's description (CPU, kernel variant, date, commit)
+# in bench/results/vs_llama_cpp_new.json: the file to copy to bench/results/latest/vs_llama_cpp_<cpu>.json
+# (bench/results/README.md), from which docs/performance.md and README's headline table are made.
 set -euo pipefail
 
 N=${1:-16}
@@ -45,9 +47,13 @@ for weights in q4_1 f32; do
     kill "$server"; wait "$server" 2>/dev/null || true
 done
 
-$PY - <<'PY'
+N="$N" PYTHONPATH=$PWD $PY - <<'PY'
 import json
+import os
+import sys
 from pathlib import Path
+sys.path.insert(0, "bench")
+import machine
 R = Path("bench/results")
 single = json.loads((R / "vs_llama_cpp_single_stream_new.json").read_text())
 print(f"\none request, decode tok/s (best of 3), native kernels: {single['native_isa']}")
@@ -64,4 +70,12 @@ print(f"\n{'64 requests':24s} {'ok':>6s} {'tok/s':>7s} {'TTFT p50':>9s} {'ITL p5
 for name, r in rows.items():
     print(f"{name:24s} {r['ok']:>3d}/{r['requests']:<2d} {r['output_throughput']:7.1f} {r['ttft_s_p50']:8.2f}s "
           f"{1000 * r['itl_s_p50']:6.0f}ms  {r['output_throughput'] / rows['llama-server Q4_1']['output_throughput']:.2f}x")
+llama_single = {w: [float(x) for x in (R / f"vs_llama_cpp_{w}_single_stream_new.txt").read_text().split()]
+                for w in ("q4_1", "f32")}
+combined = {"bench": "vs_llama_cpp", "machine": machine.describe(), "concurrency": int(os.environ["N"]),
+            "single_stream": single, "llama_server_single_stream_tok_s": llama_single,
+            "serving": {"orca_jax_f32": rows["orca_jax f32"], "orca_jax_q4_1": rows["orca_jax Q4_1"],
+                        "llama_server_q4_1": rows["llama-server Q4_1"], "llama_server_f32": rows["llama-server F32"]}}
+(R / "vs_llama_cpp_new.json").write_text(json.dumps(combined, indent=1) + "\n")
+print(f"\nsaved {R / 'vs_llama_cpp_new.json'}")
 PY

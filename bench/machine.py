@@ -1,0 +1,89 @@
+"""Which machine and which code a benchmark figure came from.
+
+Every bench script stores `describe()` as "machine" in its result file: the CPU (named down to its
+generation where /proc/cpuinfo only says "AMD EPYC"), its vector extensions, the native kernels'
+instruction-set variant, the jax version, the date and the commit. A file copied into
+bench/results/latest/ then carries everything docs/performance.md prints beside its figures.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# The flags that decide which kernel variant runs and how fast XLA's matmuls are.
+FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+
+
+def amd_generation(family: int, model: int) -> str | None:
+    """AMD's family 0x19 holds Zen 3 and Zen 4 (told apart by model), 0x1a is Zen 5."""
+    if family == 0x1A:
+        return "Zen 5"
+    if family == 0x19:
+        zen4 = 0x10 <= model <= 0x1F or 0x60 <= model <= 0x7F or 0xA0 <= model <= 0xAF
+        return "Zen 4" if zen4 else "Zen 3"
+    if family == 0x17:
+        return "Zen 2" if model >= 0x30 else "Zen"
+    return None
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty off Linux)."""
+    path = Path("/proc/cpuinfo")
+    fields: dict[str, str] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        if not line.strip():
+            break
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def cpu_name() -> str:
+    info = _cpuinfo()
+    name = info.get("model name") or platform.processor() or platform.machine()
+    if info.get("vendor_id") == "AuthenticAMD" and "Zen" not in name:
+        generation = amd_generation(int(info.get("cpu family", "0")), int(info.get("model", "0")))
+        if generation:
+            name = f"{name} ({generation})"
+    return name
+
+
+def cpu_flags() -> list[str]:
+    flags = set(_cpuinfo().get("flags", "").split())
+    return [flag for flag in FLAGS_OF_INTEREST if flag in flags]
+
+
+def native_isa() -> str:
+    """The variant the native kernels run here ($ORCA_JAX_NATIVE_ISA can force a lower one)."""
+    try:
+        from orca_jax.model.paged_attention import native_cache_dir
+        from pallas_kernels import native
+    except ImportError as error:  # a bench run outside the package's environment
+        return f"unknown ({error})"
+    reason = native.unavailable_reason(native_cache_dir())
+    return native.isa() if reason is None else f"unavailable ({reason})"
+
+
+def commit() -> str:
+    """The checkout's commit; "-dirty" when tracked files differ from it (the figure may not be its)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
+
+
+def describe() -> dict:
+    import jax
+
+    return {"cpu": cpu_name(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "native_isa": native_isa(),
+            "jax": jax.__version__, "date": datetime.date.today().isoformat(), "commit": commit()}
