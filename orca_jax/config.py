@@ -64,7 +64,7 @@ QUANTIZATION_CHOICES: tuple[str, ...] = typing.get_args(Quantization)
 def matmul_precision_for(setting: str, model_dtype: str) -> str:
     """The precision the model's matmuls are traced with. `auto`: a float32 model gets full float32
     products ("highest": on NVIDIA GPUs XLA's "default" would use TF32, 10-bit mantissas, and the
-    float32 guarantees (README, Dtypes) would not hold); a 16-bit model gets "default", 16-bit
+    float32 guarantees (docs/numerics.md) would not hold); a 16-bit model gets "default", 16-bit
     products summed in float32."""
     if setting != "auto":
         return setting
@@ -271,9 +271,9 @@ class CacheConfig:
     # accelerator, what device_memory_utilization x the device's memory leaves after the parameters
     # and the reserve; on CPU (no memory figure to size from) DEFAULT_CPU_KV_CACHE_MEMORY.
     kv_cache_memory: int | None = None
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = False  # share the KV pages of common prompt prefixes (paged, chunked, orca)
     # KV pages' dtype: auto = the model's (the reference); bfloat16 halves the bytes attention reads
-    # and doubles the pages a budget holds, at a small cost in precision (README, "Dtypes").
+    # and doubles the pages a budget holds, at a small cost in precision (docs/numerics.md).
     kv_cache_dtype: KVCacheDType = "auto"
     # vLLM's gpu_memory_utilization: the fraction of each accelerator's memory (as JAX reports it)
     # for parameters and KV pages; the rest is kept for activations and workspace.
@@ -300,7 +300,7 @@ def kv_page_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    policy: SchedulingPolicy = "chunked"
+    policy: SchedulingPolicy = "chunked"  # static, orca, paged or chunked (docs/scheduling.md)
     max_num_seqs: int = 32  # requests running at once
     max_num_batched_tokens: int = 512  # tokens in one forward pass (prefill + decode)
     # vLLM's async scheduling: plan and dispatch the next step while the current one computes
@@ -356,7 +356,7 @@ class SpeculativeConfig:
     - "draft_model": a smaller model with the target's tokenizer proposes the drafts (`model`).
     """
 
-    method: SpeculativeMethod = "ngram"
+    method: SpeculativeMethod = "ngram"  # ngram: prompt lookup on the device; draft_model: a smaller model
     num_speculative_tokens: int = 4  # draft tokens per request and step, at most
     prompt_lookup_max: int = 4  # tokens: the longest suffix n-gram searched (ngram)
     # tokens: the shortest one that counts as a match (ngram). 1, unlike vLLM's default: after a token
@@ -367,7 +367,7 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: preset name or checkpoint directory
     # A step's rows (decodes + drafts) stay within this many: drafts fill only the rows the decodes
     # leave, and none are given while this many requests decode. A larger step is compute-bound on a
-    # CPU, where every draft row costs as much as a decode (README, "Speculative decoding"); on a GPU
+    # CPU, where every draft row costs as much as a decode (docs/speculative-decoding.md); on a GPU
     # rows stay cheap far longer: raise it there.
     disable_by_batch_size: int = 8
 
@@ -391,10 +391,12 @@ class EngineConfig:
     model: str = DEFAULT_MODEL  # preset name or checkpoint directory
     max_model_len: int | None = None  # tokens per sequence (prompt + output); None: the model's context length
     dtype: DTypeSetting = "auto"  # weights, activations and KV pages; auto: the checkpoint's, float32 on CPU
+    # Who computes attention (docs/kernels.md): auto = the native C++ kernel on CPU (XLA if it cannot be
+    # built), the Pallas kernel on GPU; native, pallas (interpret mode on CPU) or xla force one
     attention_impl: AttentionImpl = "auto"
     matmul_precision: MatmulPrecision = "auto"  # see matmul_precision_for
     matmul_impl: MatmulImpl = "auto"  # see MatmulImpl
-    quantization: Quantization = "none"  # weights kept quantized on the device (README, Quantization)
+    quantization: Quantization = "none"  # weights kept quantized on the device (docs/quantization.md)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
