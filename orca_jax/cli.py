@@ -125,12 +125,13 @@ def _bench(name: str, bench_args: list[str]) -> int:
     """Runs bench/bench_<name>.py of the source checkout as if from the command line."""
     import runpy
 
-    from orca_jax.config import REPO_ROOT
+    from orca_jax.paths import source_checkout
 
-    script = REPO_ROOT / "bench" / f"bench_{name}.py"
-    if not script.is_file():
-        print(f"error: {script} not found; the benchmarks live in the source checkout (pip install -e .)",
-              file=sys.stderr)
+    checkout = source_checkout()
+    script = checkout / "bench" / f"bench_{name}.py" if checkout else None
+    if script is None or not script.is_file():
+        print(f"error: no bench/bench_{name}.py here: the bench scripts ship with the source checkout, not the "
+              "installed package; clone the repository and install it editable (pip install -e .)", file=sys.stderr)
         return 2
     sys.argv = [str(script), *bench_args]
     runpy.run_path(str(script), run_name="__main__")

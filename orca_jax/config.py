@@ -8,24 +8,21 @@ This module does not import jax.
 from __future__ import annotations
 
 import dataclasses
-import os
 import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, Literal
 
+# compilation_cache_dir is re-exported: the attention backends import it from here.
+from orca_jax.paths import compilation_cache_dir, presets  # noqa: F401
+
+# The folder above the package, for the tests and bench scripts (they run only from a source checkout).
+# The package finds its own files through orca_jax/paths.py, which works installed too.
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CONFIG_DIR = REPO_ROOT / "configs"
-MODEL_PRESET_DIR = CONFIG_DIR / "models"
 DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-def compilation_cache_dir() -> Path:
-    """The one directory of every on-disk cache (JAX's compilations, the native kernel's build):
-    $ORCA_JAX_COMPILATION_CACHE, else .jax_cache/ in the repository."""
-    return Path(os.environ.get("ORCA_JAX_COMPILATION_CACHE", str(REPO_ROOT / ".jax_cache")))
 
 Architecture = Literal["llama", "gpt2"]
 RopeScalingKind = Literal["llama3", "freq_factors", "linear"]
@@ -496,8 +493,10 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
     raise ConfigError(f"{where} = {value!r} has type {type(value).__name__}; expected {' or '.join(names)}")
 
 
-def load_toml(cls: type, path: str | Path) -> Any:
-    path = Path(path)
+def load_toml(cls: type, path: str | Path | Traversable) -> Any:
+    """`path`: a file, or a preset inside the package (paths.presets)."""
+    if isinstance(path, str):
+        path = Path(path)
     try:
         with path.open("rb") as f:
             data = tomllib.load(f)
@@ -509,12 +508,13 @@ def load_toml(cls: type, path: str | Path) -> Any:
 
 
 def model_preset_names() -> list[str]:
-    return sorted(p.stem for p in MODEL_PRESET_DIR.glob("*.toml"))
+    return sorted(entry.name.removesuffix(".toml") for entry in presets("models").iterdir()
+                  if entry.name.endswith(".toml"))
 
 
 def load_model_preset(name: str) -> ModelConfig:
-    """Loads `configs/models/<name>.toml`."""
-    path = MODEL_PRESET_DIR / f"{name}.toml"
+    """Loads the shipped preset `configs/models/<name>.toml`."""
+    path = presets("models") / f"{name}.toml"
     if not path.is_file():
         raise ConfigError(f"unknown model preset {name!r}; available presets: {model_preset_names()}")
     return load_toml(ModelConfig, path)

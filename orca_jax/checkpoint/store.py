@@ -24,7 +24,6 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from orca_jax.config import (
-    REPO_ROOT,
     ConfigError,
     ModelConfig,
     load_toml,
@@ -32,6 +31,7 @@ from orca_jax.config import (
     model_preset_names,
 )
 from orca_jax.model.decoder import Decoder, abstract_decoder
+from orca_jax.paths import checkpoint_root
 from orca_jax.tokenizer import Tokenizer
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +59,6 @@ class LoadedModel:
     model: Decoder
     tokenizer: Tokenizer | None
     path: Path
-
-
-def checkpoint_root() -> Path:
-    """Where named checkpoints live: $ORCA_JAX_CHECKPOINTS, else the repository's checkpoints/."""
-    return Path(os.environ.get("ORCA_JAX_CHECKPOINTS", REPO_ROOT / "checkpoints")).resolve()
 
 
 def resolve_checkpoint_dir(name_or_path: str | os.PathLike) -> Path:

@@ -1,7 +1,8 @@
 """Compiled step programs kept between runs, so a second start-up loads instead of compiling.
 
-Every on-disk cache lives under one directory, `$ORCA_JAX_COMPILATION_CACHE` (default `.jax_cache/` in
-the repository), so one setting moves or clears them all:
+Every on-disk cache lives under one directory, orca_jax.paths.compilation_cache_dir()
+(`$ORCA_JAX_COMPILATION_CACHE`, default `compilation_cache/` in the data directory, `.jax_cache/` in a
+source checkout), so one setting moves or clears them all:
 
     <root>/              JAX's persistent compilation cache (for programs the store cannot keep)
     <root>/executables/  serialized step programs: loaded without tracing, lowering or compiling
@@ -20,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -33,12 +35,12 @@ import jaxlib
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 
-from orca_jax.config import REPO_ROOT, compilation_cache_dir
+from orca_jax.paths import compilation_cache_dir
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"orca_jax executable v1\n"
-SOURCE_DIRS = ("orca_jax", "pallas_kernels")
+SOURCE_PACKAGES = ("orca_jax", "pallas_kernels")
 
 
 def enable_compilation_cache() -> None:
@@ -51,12 +53,14 @@ def enable_compilation_cache() -> None:
 
 @functools.cache
 def source_hash() -> str:
-    """Hash of the package's Python and C++ sources: any edit invalidates every stored program."""
+    """Hash of the packages' Python and C++ sources, wherever they are installed (a checkout or
+    site-packages; the same sources hash the same): any edit invalidates every stored program."""
     digest = hashlib.sha256()
-    for folder in SOURCE_DIRS:
-        for path in sorted((REPO_ROOT / folder).rglob("*")):
-            if path.suffix in (".py", ".cc", ".h") and path.is_file():
-                digest.update(str(path.relative_to(REPO_ROOT)).encode())
+    for package in SOURCE_PACKAGES:
+        folder = Path(importlib.util.find_spec(package).submodule_search_locations[0])  # without importing it
+        for path in sorted(folder.rglob("*")):
+            if path.suffix in (".py", ".cc", ".h", ".inc") and path.is_file():
+                digest.update(str(path.relative_to(folder.parent)).encode())
                 digest.update(path.read_bytes())
     return digest.hexdigest()
 
