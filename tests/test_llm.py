@@ -39,6 +39,19 @@ def test_a_bad_request_rejects_the_batch_before_anything_is_queued(tiny_llm):
         SamplingParams(top_p=0.0)
 
 
+def test_no_program_runs_for_the_first_time_inside_generate():
+    # Two token and two row buckets: warm-up runs only the smallest pair, so without the first runs
+    # at construction the job below would run the others for the first time.
+    llm = LLM(REPO_ROOT / "checkpoints" / "tiny", max_num_seqs=4, max_num_batched_tokens=16,
+              token_buckets=[4, 16], seq_buckets=[2, 4], show_progress=False)
+    outputs = llm.generate(["3 5 7 9", "1 2", "10 13", "0 4"], SamplingParams(temperature=0, max_tokens=3),
+                           use_tqdm=False)
+    assert [o.outputs[0].text.strip() for o in outputs] == ["11 13 15", "3 4 5", "16 19 22", "8 12 16"]
+    used = set(llm.runner.stats.buckets)  # (tokens, rows) per step: the job used programs warm-up did not run
+    assert 16 in {tokens for tokens, _ in used} and 4 in {rows for _, rows in used}
+    assert llm.runner.stats.first_runs == 0
+
+
 def test_a_prompt_the_tokenizer_cannot_encode_is_a_value_error_naming_it(tiny_llm):
     # The tiny model's vocabulary is numbers and a few operators, with no unknown token.
     with pytest.raises(ValueError, match=r"the prompt 'Hello' cannot be encoded .* WordLevel vocabulary of 66 "

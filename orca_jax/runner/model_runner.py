@@ -101,6 +101,7 @@ class RunnerStats:
     real_tokens: int = 0
     padded_tokens: int = 0  # tokens computed including bucket padding
     buckets: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # steps per (T, S)
+    first_runs: int = 0  # steps that ran a program for the first time (slow: see ModelRunner.run_first_runs)
 
 
 @dataclasses.dataclass
@@ -409,16 +410,21 @@ class ModelRunner:
         SmolLM2 program of 128 tokens took 1.0 s the first time and 0.2 s after (AMD EPYC Zen 3,
         2026-12-03), ~6 s for all 10 token buckets. Warm-up runs only the smallest, to keep start-up
         short; the server's engine thread runs the others while it has no request (async_engine),
-        so that stall does not fall on the first request of each bucket."""
+        and the offline `LLM` all of them before it returns, so that stall does not fall on the
+        first request of each bucket."""
         timeout = 10 * self.step_timeout if self.step_timeout else None
         done = 0
         while self._first_runs and (limit is None or done < limit):
             plan = self._first_runs[0]
-            if not {("layers", plan.bucket[0]), ("head", plan.bucket[1])} <= self._programs_run:
+            if not self._has_run(plan):
                 self._wait(self.run_plan(plan), timeout)
                 done += 1
             self._first_runs.popleft()  # only once it ran: the count another thread reads stays true
         return len(self._first_runs)
+
+    def _has_run(self, plan: StepPlan) -> bool:
+        """Whether both programs `plan` calls have run at least once (their slow first run is done)."""
+        return {("layers", plan.bucket[0]), ("head", plan.bucket[1])} <= self._programs_run
 
     def compile_programs(self, show_progress: bool = False) -> None:
         """Every program a step can call, for the stages this process owns, ahead of time. A
@@ -493,6 +499,7 @@ class ModelRunner:
         self.stats.padded_tokens += len(plan.token_ids)
         self.stats.real_tokens += plan.num_real_tokens
         self.stats.buckets[plan.bucket] += 1
+        self.stats.first_runs += not self._has_run(plan)
         result = self.run_plan(plan)
         self.stats.device_s += time.perf_counter() - start
         return Pending(plan, result)
