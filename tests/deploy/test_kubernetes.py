@@ -127,3 +127,35 @@ def test_multi_host_pods_get_their_process_from_the_index(monkeypatch):
     # The API Service sends traffic to process 0 only: the followers serve no HTTP.
     (api,) = [svc for svc in find("multi-host", "Service") if svc["spec"].get("clusterIP") != "None"]
     assert api["spec"]["selector"]["batch.kubernetes.io/job-completion-index"] == "0"
+
+
+def test_multi_host_ports_beyond_the_api_admit_only_the_jobs_own_pods(monkeypatch):
+    """jax's coordination service and the cross-process transfer servers have no authentication (and a
+    transfer server aborts its process on a malformed message): a NetworkPolicy over the Job's pods
+    admits other sources on the HTTP port only, and the Job's own pods on every port (the transfer
+    servers listen on ports chosen at start-up)."""
+    (job,) = find("multi-host", "Job")
+    own = {"batch.kubernetes.io/job-name": job["metadata"]["name"]}  # the Job controller labels its pods so
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    args, _, dist = serve_config(expand(container["args"], {"JAX_PROCESS_ID": "0"}), monkeypatch)
+    coordinator_port = int(dist.coordinator_address.rsplit(":", 1)[1])
+    (api,) = [svc for svc in find("multi-host", "Service") if svc["spec"].get("clusterIP") != "None"]
+    api_ports = {port["targetPort"] for port in api["spec"]["ports"]}
+    assert api_ports == {args.port}
+
+    (policy,) = find("multi-host", "NetworkPolicy")
+    spec = policy["spec"]
+    assert spec["podSelector"] == {"matchLabels": own}
+    assert "Ingress" in spec["policyTypes"]
+    open_ports, own_pods_admitted = set(), False
+    for rule in spec["ingress"]:
+        if "from" in rule:
+            # Only the Job's pods: no namespace selector, no IP block, no other pods.
+            assert rule["from"] == [{"podSelector": {"matchLabels": own}}], rule
+            own_pods_admitted |= "ports" not in rule
+        else:
+            assert rule.get("ports"), "a rule admitting every source on every port"
+            open_ports |= {port["port"] for port in rule["ports"]}
+    assert open_ports == api_ports, "only the API port is open to other sources"
+    assert coordinator_port not in open_ports
+    assert own_pods_admitted, "the Job's pods must reach each other on every port (coordinator, transfers)"
