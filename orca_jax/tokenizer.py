@@ -15,7 +15,7 @@ from typing import Sequence
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
 
 # Used when a checkpoint has no template of its own: plain ChatML, no default system prompt.
 CHATML_TEMPLATE = (
@@ -37,12 +37,14 @@ class Tokenizer:
         bos_token_id: int | None,
         eos_token_id: int | None,
         add_bos_token: bool = False,
+        add_eos_token: bool = False,
         chat_template: str | None = None,
     ):
         self.hf = hf
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.add_bos_token = add_bos_token
+        self.add_eos_token = add_eos_token
         self.chat_template = chat_template
 
     @property
@@ -51,16 +53,26 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`. Special tokens written in the text (e.g. `<|im_start|>`) are parsed as
-        such, as chat templates need."""
+        such, as chat templates need.
+
+        `add_bos` None follows the tokenizer's own rules (add_bos_token, add_eos_token), True adds BOS,
+        False adds neither BOS nor EOS. A BOS the text already starts with (a chat template that writes
+        `bos_token`) is not doubled: that text is dropped and the id added, as llama.cpp does, so a
+        SentencePiece tokenizer marks the first word after it with its space prefix, as in training
+        (SentencePiece encoded the text and the BOS id was put before it). An EOS likewise."""
+        bos = self.bos_token_id is not None and (self.add_bos_token if add_bos is None else add_bos)
+        eos = self.eos_token_id is not None and self.add_eos_token and add_bos is not False
+        if bos:
+            text = text.removeprefix(self._token_or_empty(self.bos_token_id))
+        if eos:
+            text = text.removesuffix(self._token_or_empty(self.eos_token_id))
         try:
             ids = self.hf.encode(text, add_special_tokens=False).ids
         except Exception as error:  # noqa: BLE001 - `tokenizers` raises a bare Exception naming what it lacked
             raise ValueError(f"the prompt {_clip(text)!r} cannot be encoded by this model's tokenizer "
                              f"({self._describe_model()}): {error}; write the prompt with the tokenizer's own "
                              f"vocabulary ({TOKENIZER_FILE}), or pass token ids") from error
-        if (self.add_bos_token if add_bos is None else add_bos) and self.bos_token_id is not None:
-            ids = [self.bos_token_id] + ids
-        return ids
+        return [self.bos_token_id] * bos + ids + [self.eos_token_id] * eos
 
     def _describe_model(self) -> str:
         """E.g. "a WordLevel vocabulary of 66 tokens, no unknown token": the limit a prompt broke."""
@@ -107,6 +119,7 @@ class Tokenizer:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
             "add_bos_token": self.add_bos_token,
+            "add_eos_token": self.add_eos_token,
             "chat_template": self.chat_template,
         }
         (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -121,6 +134,7 @@ class Tokenizer:
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
             add_bos_token=bool(config.get("add_bos_token", False)),
+            add_eos_token=bool(config.get("add_eos_token", False)),
             chat_template=config.get("chat_template"),
         )
 
@@ -179,6 +193,68 @@ def byte_level_bpe(
     hf.decoder = decoders.ByteLevel()
     hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special_token_ids])
     return hf
+
+
+SPACE = "\u2581"  # "▁": how SentencePiece pieces spell a space
+# Where a SentencePiece tokenizer puts the space it adds before the text (its "dummy prefix"):
+SPACE_PREFIXES = (
+    "first",  # before the text's first word only, not after a special token (Llama, Mistral: transformers' rule)
+    "every",  # before every stretch of text between special tokens (Phi-3, as transformers builds it; llama.cpp's rule)
+    "none",  # nowhere (Gemma)
+)
+
+
+def sentencepiece_bpe(
+    tokens: Sequence[str],
+    merges: Sequence[tuple[str, str]],
+    *,
+    special_token_ids: Sequence[int],
+    user_defined_ids: Sequence[int],
+    unk_token_id: int | None,
+    space_prefix: str,
+) -> HFTokenizer:
+    """A SentencePiece BPE tokenizer (Llama 2, Mistral, TinyLlama, Gemma, Phi-3) from its pieces.
+
+    Spaces are spelled "▁" and nothing else is normalized; a character the vocabulary lacks is spelled
+    by its UTF-8 bytes (the `<0x41>` pieces). `special_token_ids` (control tokens) are matched whole in
+    the text and skipped by `decode(skip_special_tokens=True)`; `user_defined_ids` are matched whole
+    and kept. `space_prefix` is one of SPACE_PREFIXES.
+    """
+    if space_prefix not in SPACE_PREFIXES:
+        raise ValueError(f"space_prefix {space_prefix!r} is not one of {SPACE_PREFIXES}")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    unk = tokens[unk_token_id] if unk_token_id is not None else None
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=list(merges), unk_token=unk, fuse_unk=True, byte_fallback=True))
+    if space_prefix == "every":  # a normalizer runs on each stretch of text the special tokens leave
+        hf.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
+    else:  # split=False: the text stays one word, so merges may cross spaces as SentencePiece's do
+        hf.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=SPACE, prepend_scheme="never" if space_prefix == "none" else "first", split=False)
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if space_prefix != "none":  # the prefix the encoder added is not part of the text
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    hf.decoder = decoders.Sequence(steps)
+    hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special_token_ids])
+    hf.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user_defined_ids])
+    return hf
+
+
+def merges_from_vocab(tokens: Sequence[str], priorities: Sequence[float]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies (it stores scores, not merges): every way of
+    cutting a token into two tokens, ranked by the token's priority (its score: higher merges first),
+    then by the longer left piece, then the longer right one, then by the tokens' order.
+
+    This is the order transformers derives (its GGUF loader, `generate_merges`), so the ids are its ids;
+    SentencePiece itself merges the adjacent pair whose joined piece scores highest, the same ranking
+    up to ties."""
+    vocab = set(tokens)
+    found = []
+    for token, priority in dict(zip(tokens, priorities)).items():
+        found += [(priority, token[:k], token[k:]) for k in range(1, len(token))
+                  if token[:k] in vocab and token[k:] in vocab]
+    # sort() is stable, also in reverse: ties keep the tokens' order.
+    found.sort(key=lambda merge: (merge[0], len(merge[1]), len(merge[2])), reverse=True)
+    return [(left, right) for _, left, right in found]
 
 
 def _clip(text: str, limit: int = 60) -> str:

@@ -11,6 +11,10 @@ Quantized weights are dequantized to float32; a file whose weight matrices are a
 BF16) keeps that dtype, as the HF import does. Llama 3.x files carry their RoPE scaling as a
 `rope_freqs` tensor (one divisor per rotary pair, computed by llama.cpp's converter from the HF
 `rope_scaling`); it is kept exactly as `rope_scaling = "freq_factors"`.
+
+Tokenizers: byte-level BPE (`tokenizer.ggml.model` "gpt2") and SentencePiece BPE ("llama": Llama 2,
+Mistral, TinyLlama, Gemma, Phi-3), rebuilt from the file's vocabulary, scores or merges, token types
+and flags so that they give transformers' ids for the same file.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import numpy as np
 from orca_jax.checkpoint.hf_families import split_fused_phi3
 from orca_jax.checkpoint.layout import ImportedModel, Part, names_by_part
 from orca_jax.config import ModelConfig
-from orca_jax.tokenizer import Tokenizer, byte_level_bpe
+from orca_jax.tokenizer import SPACE, Tokenizer, byte_level_bpe, merges_from_vocab, sentencepiece_bpe
 
 SUPPORTED_ARCHITECTURES = ("llama", "gpt2", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
@@ -43,6 +47,7 @@ _REGEX_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 REGEX_PRE_TOKENIZERS = {"llama-bpe": _REGEX_HEAD + r"\p{N}{1,3}" + _REGEX_TAIL,
                         "qwen2": _REGEX_HEAD + r"\p{N}" + _REGEX_TAIL}
 PLAIN_BYTE_LEVEL_PRE_TOKENIZERS = ("gpt2", "default")
+SUPPORTED_TOKENIZERS = ("gpt2", "llama")  # tokenizer.ggml.model: byte-level BPE, SentencePiece BPE
 
 
 class GGUFImportError(ValueError):
@@ -119,7 +124,7 @@ def open_gguf(path: str | Path, name: str) -> ImportedModel:
             split_fused_phi3(tensors, config)
         return tensors
 
-    tokenizer = _tokenizer(reader, path, config) if tokens is not None else None
+    tokenizer = gguf_tokenizer(reader, path) if tokens is not None else None
     return ImportedModel(config, tokenizer, read_part)
 
 
@@ -190,14 +195,35 @@ def _weights_dtype(reader: gguf.GGUFReader) -> str:
     return KEPT_TYPES.get(matrix_types.pop(), "float32") if len(matrix_types) == 1 else "float32"
 
 
-def _tokenizer(reader: gguf.GGUFReader, path: str | Path, config: ModelConfig) -> Tokenizer:
+def gguf_tokenizer(reader: gguf.GGUFReader, path: str | Path) -> Tokenizer:
+    """The tokenizer the file's `tokenizer.*` metadata describes (the file must have a vocabulary)."""
     kind = _field(reader, "tokenizer.ggml.model")
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
-    if kind != "gpt2":
+    if kind == "gpt2":
+        hf = _byte_level_tokenizer(reader, path)
+    elif kind == "llama":
+        hf = _sentencepiece_tokenizer(reader, path, _field(reader, "general.architecture"))
+    else:
         raise GGUFImportError(
-            f"{path}: tokenizer.ggml.model={kind!r}; only byte-level BPE ('gpt2') tokenizers can be imported. "
-            "Convert the HF folder instead (its tokenizer.json is used as is)."
+            f"{path}: tokenizer.ggml.model={kind!r} is not supported; supported: {list(SUPPORTED_TOKENIZERS)} "
+            "(byte-level BPE, SentencePiece BPE). Convert the HF folder instead (its tokenizer.json is used as is)."
         )
+    return Tokenizer(
+        hf,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise (so does transformers)
+        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", kind == "llama")),
+        add_eos_token=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
+        chat_template=_field(reader, "tokenizer.chat_template"),
+    )
+
+
+def _token_types(reader: gguf.GGUFReader, count: int) -> list[int]:
+    return list(_field(reader, "tokenizer.ggml.token_type", [gguf.TokenType.NORMAL] * count))
+
+
+def _byte_level_tokenizer(reader: gguf.GGUFReader, path: str | Path):
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
     supported = [*SPLIT_DIGIT_PRE_TOKENIZERS, *PLAIN_BYTE_LEVEL_PRE_TOKENIZERS, *REGEX_PRE_TOKENIZERS]
     if pre not in supported:
         raise GGUFImportError(
@@ -205,14 +231,54 @@ def _tokenizer(reader: gguf.GGUFReader, path: str | Path, config: ModelConfig) -
             "Convert the HF folder instead (its tokenizer.json is used as is)."
         )
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    token_types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-    control = [i for i, t in enumerate(token_types) if t == gguf.TokenType.CONTROL]
-    hf = byte_level_bpe(tokens, _field(reader, "tokenizer.ggml.merges", []), control,
-                        split_digits=pre in SPLIT_DIGIT_PRE_TOKENIZERS, split_regex=REGEX_PRE_TOKENIZERS.get(pre))
-    return Tokenizer(
-        hf,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        chat_template=_field(reader, "tokenizer.chat_template"),
+    control = [i for i, t in enumerate(_token_types(reader, len(tokens))) if t == gguf.TokenType.CONTROL]
+    return byte_level_bpe(tokens, _field(reader, "tokenizer.ggml.merges", []), control,
+                          split_digits=pre in SPLIT_DIGIT_PRE_TOKENIZERS, split_regex=REGEX_PRE_TOKENIZERS.get(pre))
+
+
+def _sentencepiece_tokenizer(reader: gguf.GGUFReader, path: str | Path, arch: str):
+    """A GGUF holds a SentencePiece model's pieces, scores and token types but not its normalizer, so
+    what the file does not say is decided by architecture, as transformers' GGUF loader does:
+    - Gemma: the merges are ranked by the pieces' order in the file (Gemma's scores do not follow
+      its merge order), and llama.cpp's converter writes its whitespace-run tokens ("▁▁", ...) with
+      real spaces, which are spelled back as pieces here;
+    - Phi-3: the space prefix goes before every stretch of text between special tokens;
+    - the others (Llama, Mistral, ...): before the first word.
+    A file's `add_space_prefix` false (Gemma's) turns the prefix off; when it is absent, the prefix is
+    on except for Gemma. transformers ignores the flag where llama.cpp follows it; it is followed here."""
+    file_tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    types = _token_types(reader, len(file_tokens))
+    gemma = arch in GEMMA_ARCHITECTURES
+    tokens = [SPACE * len(t) if gemma and " " in t and not t.strip() else t for t in file_tokens]
+    merges = _field(reader, "tokenizer.ggml.merges")
+    if merges is not None:
+        merges = [tuple(m.split(" ", 1)) for m in merges]
+    elif gemma:
+        merges = merges_from_vocab(tokens, [-i for i in range(len(tokens))])
+    else:
+        scores = _field(reader, "tokenizer.ggml.scores")
+        if scores is None:
+            raise GGUFImportError(f"{path}: a SentencePiece vocabulary needs tokenizer.ggml.scores or "
+                                  "tokenizer.ggml.merges, and the file has neither")
+        merges = merges_from_vocab(tokens, scores)
+    unk = _field(reader, "tokenizer.ggml.unknown_token_id")
+    if unk is None or not 0 <= unk < len(tokens):
+        unk = next((i for i, t in enumerate(types) if t == gguf.TokenType.UNKNOWN), None)
+    if not _field(reader, "tokenizer.ggml.add_space_prefix", not gemma):
+        space_prefix = "none"
+    else:
+        space_prefix = "every" if arch == "phi3" else "first"
+    # Matched whole in a prompt: the control tokens and the file's named ones (as transformers and
+    # llama.cpp, which parses special tokens in a prompt, do).
+    named = [_field(reader, f"tokenizer.ggml.{key}_token_id") for key in ("bos", "eos", "unknown", "padding")]
+    special = {i for i, t in enumerate(types) if t in (gguf.TokenType.CONTROL, gguf.TokenType.UNKNOWN)}
+    special |= {i for i in named if i is not None and 0 <= i < len(tokens)}
+    return sentencepiece_bpe(
+        tokens, merges,
+        special_token_ids=sorted(special),
+        # a whitespace run spelled back as pieces is left to the merges
+        user_defined_ids=[i for i, t in enumerate(types)
+                          if t == gguf.TokenType.USER_DEFINED and tokens[i] == file_tokens[i]],
+        unk_token_id=unk,
+        space_prefix=space_prefix,
     )
