@@ -12,21 +12,20 @@ FROM ${PYTHON_IMAGE} AS build
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
-WORKDIR /opt/orca-jax
-# Only what runs: the packages and configs/ (model presets and engine defaults, found beside the
-# package), not tests/ or bench/.
+WORKDIR /opt/orca-jax/src
+# What the wheel is built from (orca_jax/configs links to configs/: the presets are package data), not
+# tests/ or bench/. The venv gets the wheel, as a user installs it; the sources stay in this stage.
 COPY pyproject.toml README.md ./
 COPY orca_jax orca_jax
 COPY pallas_kernels pallas_kernels
 COPY configs configs
-COPY deploy/docker deploy/docker
-# Editable, so orca_jax finds configs/ where it looks (beside the package); the runtime stage copies
-# /opt/venv and /opt/orca-jax to the same paths, which keeps the install valid.
 RUN python -m venv /opt/venv \
-    && /opt/venv/bin/pip install --no-cache-dir -e . \
-    && /opt/venv/bin/python -m compileall -q orca_jax pallas_kernels
-# The native kernel, built now into prebuilt/ (entrypoint.sh copies it into the cache volume); the
-# image build fails if it cannot be built rather than serving on the slower XLA attention.
+    && /opt/venv/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /tmp/wheels . \
+    && /opt/venv/bin/pip install --no-cache-dir /tmp/wheels/orca_jax-*.whl
+# The native kernel, built now from the installed sources into prebuilt/ (entrypoint.sh copies it into
+# the cache volume); the image build fails if it cannot be built rather than serving on the slower XLA
+# attention. Run from / so that Python imports the installed package, not ./orca_jax.
+WORKDIR /
 RUN ORCA_JAX_COMPILATION_CACHE=/opt/orca-jax/prebuilt /opt/venv/bin/python -m orca_jax.native --require
 
 FROM ${PYTHON_IMAGE}
@@ -40,7 +39,8 @@ RUN apt-get update \
     && mkdir -p /var/cache/orca-jax /models \
     && chown orca:orca /var/cache/orca-jax /models
 COPY --from=build /opt/venv /opt/venv
-COPY --from=build /opt/orca-jax /opt/orca-jax
+COPY --from=build /opt/orca-jax/prebuilt /opt/orca-jax/prebuilt
+COPY deploy/docker /opt/orca-jax/deploy/docker
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -8,23 +8,22 @@
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
-WORKDIR /opt/orca-jax
+WORKDIR /opt/orca-jax/src
+# The venv gets the wheel with its cuda12 extra; the sources stay in this stage (see cpu.Dockerfile).
 COPY pyproject.toml README.md ./
 COPY orca_jax orca_jax
 COPY pallas_kernels pallas_kernels
 COPY configs configs
-COPY deploy/docker deploy/docker
-# Editable, so orca_jax finds configs/ beside the package (see cpu.Dockerfile).
 RUN python -m venv /opt/venv \
-    && /opt/venv/bin/pip install --no-cache-dir -e '.[cuda12]' \
-    && /opt/venv/bin/python -m compileall -q orca_jax pallas_kernels
+    && /opt/venv/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /tmp/wheels . \
+    && /opt/venv/bin/pip install --no-cache-dir "$(echo /tmp/wheels/orca_jax-*.whl)[cuda12]"
 
 FROM ${PYTHON_IMAGE}
 RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin orca \
     && mkdir -p /var/cache/orca-jax /models \
     && chown orca:orca /var/cache/orca-jax /models
 COPY --from=build /opt/venv /opt/venv
-COPY --from=build /opt/orca-jax /opt/orca-jax
+COPY deploy/docker /opt/orca-jax/deploy/docker
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
