@@ -1,6 +1,6 @@
 """Ragged paged attention on the CPU in C++ (cpu/ragged_paged_attention.cc), called through jax.ffi.
 
-The kernel contract (DESIGN.md), as for the Pallas kernel:
+The kernel contract (docs/design.md, "The kernel contract"), as for the Pallas kernel:
 
     ragged_paged_attention_native(q[T, Hq, Dh], k_pages[P, page, Hkv, Dh], v_pages[P, page, Hkv, Dh],
                                   segment_ids[T], positions[T], block_tables[S, max_pages], kv_lens[S],

@@ -1,6 +1,6 @@
 """Ragged paged attention over per-request segment ids, as one call of two Pallas kernels.
 
-The kernel contract (DESIGN.md):
+The kernel contract (docs/design.md, "The kernel contract"):
 
     ragged_paged_attention(q[T, Hq, Dh], k_pages[P, page, Hkv, Dh], v_pages[P, page, Hkv, Dh],
                            segment_ids[T], positions[T], block_tables[S, max_pages], kv_lens[S],
@@ -213,8 +213,9 @@ def _query_blocks(queries, k_pages, v_pages, segments, positions, block_tables, 
     compiler_params = None
     if not interpret:
         # Always Triton when compiled, whatever backend traces it: without these params jax lowers
-        # for GPU through Mosaic GPU, which this kernel's page blocks do not fit (DESIGN.md, facts),
-        # and with them `jax.export(..., platforms=["cuda"])` checks the GPU lowering on a CPU host.
+        # for GPU through Mosaic GPU, which this kernel's page blocks do not fit (docs/design.md, "The
+        # kernel contract"), and with them `jax.export(..., platforms=["cuda"])` checks the GPU lowering
+        # on a CPU host.
         from jax.experimental.pallas import triton as pl_triton
 
         compiler_params = pl_triton.CompilerParams(num_warps=block_sizes.num_warps,

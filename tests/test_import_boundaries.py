@@ -1,6 +1,6 @@
-"""The host-side modules must not import jax (DESIGN.md): they run in threads and tools that
-should never touch the device. Every module under engine/ and server/ is one of them, so a change
-that needs jax in the engine goes to runner/ (the device side), where it belongs."""
+"""The host-side modules must not import jax (docs/design.md, "Rules the code keeps"): they run in
+threads and tools that should never touch the device. Every module under engine/ and server/ is one
+of them, so a change that needs jax in the engine goes to runner/ (the device side), where it belongs."""
 
 import subprocess
 import sys

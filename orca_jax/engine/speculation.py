@@ -5,10 +5,10 @@ tokens; the scheduler asks `DraftPolicy.num_drafts` how many of them a request v
 one is a token of compute and a KV slot). Speculation only pays while extra rows are nearly free:
 
 - batch size: a step of more than `disable_by_batch_size` rows is compute-bound on a CPU (the
-  native matmuls read each weight once for up to 8 rows; DESIGN.md: batch >= 16 for SmolLM2),
-  where a draft row costs what a decode row costs. So the drafts of a step, all requests together,
-  fill at most the rows its decodes leave below that size, and nobody drafts while that many
-  requests decode;
+  native matmuls read each weight once for up to 8 rows; docs/speculative-decoding.md, "When a
+  request drafts"), where a draft row costs what a decode row costs. So the drafts of a step, all
+  requests together, fill at most the rows its decodes leave below that size, and nobody drafts while
+  that many requests decode;
 - acceptance: each request keeps its own estimate of the chance that a draft is accepted (drafts
   are accepted as a chain, so a run of a accepted then a miss is a + 1 Bernoulli trials with a
   successes), counting recent steps most (the counts decay by DECAY each verifying step: a text

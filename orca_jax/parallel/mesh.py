@@ -5,7 +5,7 @@ the one table that maps them to mesh axes. Tensor parallelism splits the query h
 the MLP width and the vocabulary over 'tp' (Megatron style). Pipeline parallelism is not a mesh axis:
 each stage is its own program on its own mesh of `tp` devices (`stage_meshes`), and the runner moves
 activations between them, because sharding stacked layers over a 'pp' axis would make XLA gather
-them, not pipeline them (DESIGN.md, facts).
+them, not pipeline them (docs/design.md, "The device side").
 """
 
 from __future__ import annotations

@@ -230,8 +230,8 @@ def quantized(loaded: LoadedModel, quantization: str, show_progress: bool) -> Lo
 def run_dtype(setting: str, stored: str, platform: str) -> str:
     """The dtype a model runs in (weights, activations, KV pages). An explicit setting wins. `auto`
     is the checkpoint's own dtype, except that a 16-bit checkpoint runs in float32 on CPU: XLA:CPU
-    computes bfloat16 2-8x slower than float32 (DESIGN.md), and widening is exact, so it costs
-    memory only. On a GPU `auto` keeps bfloat16, as a GPU user expects."""
+    computes bfloat16 2-8x slower than float32 (docs/numerics.md, "Dtypes"), and widening is exact, so
+    it costs memory only. On a GPU `auto` keeps bfloat16, as a GPU user expects."""
     if setting != "auto":
         return setting
     return "float32" if platform == "cpu" else stored
