@@ -10,7 +10,7 @@ One call plans one forward pass: which requests take part and how many of their 
 `max_num_batched_tokens` tokens. After the runner has executed the plan, `update_after_step()`
 advances the requests; the engine then decides which have finished and calls `finish()`.
 
-The policies (DESIGN.md):
+The policies (docs/design.md, "The policies"):
 
 - static: request-level batching (the FasterTransformer baseline of the Orca paper). A batch is
   admitted only into an empty engine; its prompts are prefilled first, then it decodes as one,

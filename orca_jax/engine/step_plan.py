@@ -1,7 +1,7 @@
 """The engine-runner contract, without jax: the step plan, the sampled-token record, the Runner protocol.
 
 A `StepPlan` is one iteration as plain numpy arrays padded to one of the runner's compiled buckets
-(DESIGN.md, "One iteration"): everything a device program needs, and no live `Request` objects, so
+(docs/design.md, "One iteration"): everything a device program needs, and no live `Request` objects, so
 a follower process can run the leader's plan as it is (multi-host) and a mock runner can stand in
 for the model. The engine builds it, once per step, from the scheduler's output:
 

@@ -1,5 +1,5 @@
 """The paged KV cache as the model sees it: writing new K/V into pages, and the XLA implementation
-of the kernel contract (DESIGN.md):
+of the kernel contract (docs/design.md, "The kernel contract"):
 
     ragged_paged_attention(q[T,H,Dh], k_pages[P,page,K,Dh], v_pages[P,page,K,Dh], segment_ids[T],
                            positions[T], block_tables[S,max_pages], kv_lens[S], *, sm_scale,
