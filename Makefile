@@ -50,3 +50,9 @@ generate: setup pull
 
 test: setup pull
 	$(BIN)/python -m pytest -q tests
+
+# The GPU run (bench/gpu_run.sh) here on CPU at tiny shapes, with gguf and llguidance unimportable as
+# on the GPU image: what it wrote is in build/gpu-dry-run/.
+.PHONY: gpu-dry-run
+gpu-dry-run: setup
+	PYTHON=$(BIN)/python bench/gpu_run.sh --smoke build/gpu-dry-run

@@ -1,23 +1,26 @@
 """The first-GPU check, one script: the `gpu` tests, the kernels against the reference and XLA, and
-the engine end to end on Llama-3-8B-shaped random bf16 weights. Under 8 minutes on one H200.
+the engine end to end on Llama-3-8B-shaped random bf16 weights. bench/gpu_run.sh runs it section by
+section, each in its own process under its own time limit.
 
     python bench/gpu_check.py             # on a GPU machine (nothing fetched: the repository + its jax)
-    python bench/gpu_check.py --smoke     # the same code at tiny shapes on CPU (tests/bench runs it)
+    python bench/gpu_check.py --smoke     # the same code at tiny shapes on CPU (`make gpu-dry-run`)
+    python bench/gpu_check.py --sections kernels,engine --out results.json   # some sections only
 
 1. tests: `pytest -m gpu tests/gpu` in a subprocess (on CPU they are all skipped, which it reports).
 2. kernels: at Llama-3-8B (32 / 8 heads x 128) and 13B-like (40 / 40 x 128) shapes, bf16 and f32, for
    a decode batch, a prefill and a mixed batch: the largest |error| of the Pallas kernel and of the XLA
    implementation against the reference (computed in full float32), and their times.
 3. engine: a Llama-3-8B-shaped model (32 layers, d 4096, GQA 32:8, d_ff 14336, vocab 128256) with
-   random weights made on the device (as vLLM's `--load-format dummy`), bf16, at B = 1, 16, 64 and
-   256 requests of 128 prompt tokens: decode tok/s, the decode step's time and its host overhead
+   random weights made on the device (`--load-format dummy`, checkpoint/dummy.py), bf16, at B = 1, 16,
+   64 and 256 requests of 128 prompt tokens: decode tok/s, the decode step's time and its host overhead
    (step wall time minus the runner's dispatch + wait), and MBU = bytes read per decode step (every
    weight but the embedding table, plus the KV cache read) / step time / the device's bandwidth (a
    table of known parts; otherwise a copy measured on the device, said so). With the Pallas kernel;
    should that fail, again with the XLA attention. A failing section is reported, the others still run.
 
 Writes one JSON (bench/results/gpu_check_gpu.json; --smoke: gpu_check_smoke_new.json, git-ignored;
-or --out) and prints one table.
+or --out), again after each section and each engine batch size, so a run killed at its time limit
+keeps what it measured; prints one table at the end.
 """
 
 from __future__ import annotations
@@ -40,10 +43,12 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere, nothing installed but jax & co
 
+from orca_jax.checkpoint.dummy import DummyWeights  # noqa: E402
 from orca_jax.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,  # noqa: E402
                              matmul_precision_for)
 from orca_jax.engine.engine import LLMEngine  # noqa: E402
 from orca_jax.engine.step_plan import Buckets  # noqa: E402
+from orca_jax.model.decoder import abstract_decoder  # noqa: E402
 from orca_jax.model.paged_attention import ragged_paged_attention_xla  # noqa: E402
 from orca_jax.runner.model_runner import ModelRunner  # noqa: E402
 from orca_jax.sampling_params import SamplingParams  # noqa: E402
@@ -54,6 +59,7 @@ BANDWIDTH = [("H200", 4.8e12), ("GH200", 4.0e12), ("H100 NVL", 3.9e12), ("H100 P
              ("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12), ("L40S", 0.864e12),
              ("L4", 0.3e12), ("A10", 0.6e12), ("RTX 4090", 1.008e12)]
 KERNEL_SHAPES = {"llama3-8b": (32, 8, 128), "llama2-13b": (40, 40, 128)}  # heads, KV heads, head dim
+SECTIONS = ("tests", "kernels", "engine")
 LLAMA3_8B = ModelConfig(name="llama3-8b-dummy", architecture="llama", vocab_size=128256, d_model=4096, n_layers=32,
                         n_heads=32, n_kv_heads=8, d_ff=14336, max_position=8192, rope_theta=500000.0,
                         tie_word_embeddings=False, dtype="bfloat16")
@@ -83,13 +89,15 @@ SMOKE = Sizes({"tiny": (4, 2, 16)}, (jnp.float32,), (4, 40), 24,
 
 def run_gpu_tests(timeout: float) -> dict:
     """The `gpu` tests in a fresh process; counts from its JUnit XML."""
+    # The repository first, and whatever PYTHONPATH already holds (bench/gpu_image's import blocker).
+    python_path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.xml"
         start = time.perf_counter()
         try:
             done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p",
                                    "no:cacheprovider", f"--junitxml={report}"], cwd=REPO, capture_output=True,
-                                  text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+                                  text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": python_path})
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s"}
         seconds = time.perf_counter() - start
@@ -128,8 +136,9 @@ def timed(fn, args, repeat: int) -> float:
     return (time.perf_counter() - start) / repeat
 
 
-def check_kernels(sizes: Sizes, on_gpu: bool) -> list[dict]:
-    rows = []
+def check_kernels(sizes: Sizes, on_gpu: bool, rows: list, save) -> None:
+    """Each kernel case's error and time, appended to `rows` as it goes (calling `save`). One
+    implementation failing on a case is that row's finding; the other is still measured."""
     for shape, heads in sizes.kernel_shapes.items():
         scale = heads[2] ** -0.5
         pallas = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=scale, interpret=not on_gpu))
@@ -144,22 +153,17 @@ def check_kernels(sizes: Sizes, on_gpu: bool) -> list[dict]:
                     want = np.asarray(reference(*args), np.float32)
                 row = {"shape": shape, "dtype": jnp.dtype(dtype).name, "batch": kind}
                 for name, fn in (("pallas", pallas), ("xla", xla)):
-                    with jax.default_matmul_precision(precision):
-                        row[f"{name}_max_abs_error"] = float(np.abs(np.asarray(fn(*args), np.float32) - want).max())
-                        row[f"{name}_ms"] = 1000 * timed(fn, args, sizes.repeat)
-                row["pallas_over_xla_speed"] = row["xla_ms"] / row["pallas_ms"]
+                    try:
+                        with jax.default_matmul_precision(precision):
+                            got = np.asarray(fn(*args), np.float32)
+                            row[f"{name}_max_abs_error"] = float(np.abs(got - want).max())
+                            row[f"{name}_ms"] = 1000 * timed(fn, args, sizes.repeat)
+                    except Exception as error:  # noqa: BLE001 - a failing kernel is a finding, not a stop
+                        row[f"{name}_failed"] = f"{type(error).__name__}: {error}"[:2000]
+                if "pallas_ms" in row and "xla_ms" in row:
+                    row["pallas_over_xla_speed"] = row["xla_ms"] / row["pallas_ms"]
                 rows.append(row)
-    return rows
-
-
-def random_model(config: ModelConfig, device):
-    """The Decoder with random weights made on `device` (nothing read from disk)."""
-    from flax import nnx
-
-    from orca_jax.model.decoder import Decoder
-
-    with jax.default_device(device):
-        return Decoder(config, rngs=nnx.Rngs(0))
+                save()
 
 
 def device_bandwidth(device) -> tuple[float, str]:
@@ -174,18 +178,20 @@ def device_bandwidth(device) -> tuple[float, str]:
     return 2 * x.nbytes / seconds, f"measured copy on {kind}"
 
 
-def run_engine(sizes: Sizes, device, bandwidth: float, attention_impl: str) -> list[dict]:
-    """Decode tok/s, step time, host overhead and MBU at each batch size, one warm runner for all."""
+def run_engine(sizes: Sizes, device, bandwidth: float, attention_impl: str, rows: list, save) -> None:
+    """Decode tok/s, step time, host overhead and MBU at each batch size, one warm runner for all.
+    Appends to `rows` as it goes (the runner's facts, then one row per batch size), calling `save`."""
     config = sizes.model
-    model = random_model(config, device)
     largest = max(sizes.batch_sizes)
     page_size = 16
     pages_per_seq = -(-(sizes.prompt_tokens + sizes.new_tokens) // page_size)
     tokens = tuple(sorted({*sizes.batch_sizes, sizes.prefill_budget}))  # decode steps run at T = B
-    runner = ModelRunner(model, num_pages=largest * pages_per_seq + 8, page_size=page_size,
+    # The weights are made on the device, one parameter at a time (as `--load-format dummy`).
+    runner = ModelRunner(abstract_decoder(config), num_pages=largest * pages_per_seq + 8, page_size=page_size,
                          max_model_len=pages_per_seq * page_size,
                          buckets=Buckets(tokens=tokens, seqs=tuple(sorted(sizes.batch_sizes))),
-                         attention_impl=attention_impl, parallel=ParallelConfig(), devices=[device])
+                         attention_impl=attention_impl, parallel=ParallelConfig(), devices=[device],
+                         weights=DummyWeights(seed=0))
     warm_s = runner.warm_up(show_progress=False)
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(runner.stages[0].params))
     weight_bytes -= config.vocab_size * config.d_model * jnp.dtype(config.dtype).itemsize  # the table: B rows read
@@ -193,8 +199,9 @@ def run_engine(sizes: Sizes, device, bandwidth: float, attention_impl: str) -> l
     engine_config = EngineConfig(cache=CacheConfig(page_size=page_size), scheduler=SchedulerConfig(
         policy="chunked", max_num_seqs=largest, max_num_batched_tokens=sizes.prefill_budget))
     engine = LLMEngine(engine_config, config, runner, None, max_model_len=pages_per_seq * page_size)
+    rows.append({"warm_up_s": warm_s, "weight_bytes": weight_bytes, "attention": runner.attention_impl})
+    save()
     rng = np.random.default_rng(0)
-    rows = []
     for batch in sizes.batch_sizes:
         params = SamplingParams(temperature=0, max_tokens=sizes.new_tokens, ignore_eos=True)
         ids = [engine.add_request(rng.integers(0, config.vocab_size, sizes.prompt_tokens).tolist(), params)
@@ -219,87 +226,120 @@ def run_engine(sizes: Sizes, device, bandwidth: float, attention_impl: str) -> l
         rows.append({"batch": batch, "decode_steps": len(decode_steps), "step_ms": 1000 * step_s,
                      "decode_tok_per_s": batch / step_s, "host_ms": 1000 * float(np.median(host_s)),
                      "bytes_per_step": bytes_per_step, "mbu": bytes_per_step / step_s / bandwidth})
+        save()
     assert runner.num_compilations_after_warmup == 0
-    return [{"warm_up_s": warm_s, "weight_bytes": weight_bytes, "attention": runner.attention_impl}] + rows
 
 
-def section(result: dict, name: str, run, failed):
+def section(result: dict, name: str, run) -> bool:
     """Runs one section; a failure is kept in result["errors"] (the other sections still run: a GPU
-    is lent briefly) and `failed` stands for its figures."""
+    is lent briefly). Whether it succeeded."""
     try:
-        return run()
+        run()
+        return True
     except Exception as error:  # noqa: BLE001 - any failure is a finding to report, not a stop
         result.setdefault("errors", {})[name] = f"{type(error).__name__}: {error}"[:4000]
         print(f"{name} failed: {error}", file=sys.stderr, flush=True)
-        return failed
+        return False
+
+
+def kernel_line(row: dict) -> str:
+    figures = []
+    for name in ("pallas", "xla"):
+        if f"{name}_failed" in row:
+            figures.append(f"{name} FAILED ({row[f'{name}_failed'].splitlines()[0][:120]})")
+        else:
+            figures.append(f"{name} {row[f'{name}_ms']:.3f} ms (err {row[f'{name}_max_abs_error']:.1e})")
+    if "pallas_over_xla_speed" in row:
+        figures.append(f"pallas/xla speed {row['pallas_over_xla_speed']:.2f}x")
+    return f"| kernel | {row['shape']} {row['dtype']} {row['batch']} | {', '.join(figures)} |"
 
 
 def table(result: dict) -> str:
+    """What the run measured, one line a case (the sections it ran)."""
     lines = ["| check | case | figures |", "|---|---|---|"]
-    tests = result["tests"]
-    if "error" in tests or "skipped_by_flag" in tests:
-        lines.append(f"| gpu tests | tests/gpu | {tests.get('error', 'not run (--skip-tests)')} |")
-    else:
+    tests = result.get("tests")
+    if tests is not None and "error" in tests:
+        lines.append(f"| gpu tests | tests/gpu | {tests['error']} |")
+    elif tests is not None:
         passed = tests.get("tests", 0) - tests.get("failures", 0) - tests.get("errors", 0) - tests.get("skipped", 0)
         lines.append(f"| gpu tests | tests/gpu | {passed} passed, {tests.get('failures', 0) + tests.get('errors', 0)} "
                      f"failed, {tests.get('skipped', 0)} not run ({tests['seconds']:.0f} s) |")
-    for row in result["kernels"]:
-        lines.append(f"| kernel | {row['shape']} {row['dtype']} {row['batch']} | pallas {row['pallas_ms']:.3f} ms "
-                     f"(err {row['pallas_max_abs_error']:.1e}), xla {row['xla_ms']:.3f} ms "
-                     f"(err {row['xla_max_abs_error']:.1e}), pallas/xla speed {row['pallas_over_xla_speed']:.2f}x |")
+    lines += [kernel_line(row) for row in result.get("kernels", [])]
     for name, error in result.get("errors", {}).items():
         lines.append(f"| FAILED | {name} | {error.splitlines()[0][:200]} |")
-    info, *rows = result["engine"] or [None]
-    for row in rows:
-        lines.append(f"| engine | {result['model']} B={row['batch']} | {row['decode_tok_per_s']:.0f} tok/s, step "
-                     f"{row['step_ms']:.2f} ms (host {row['host_ms']:.2f} ms), MBU {100 * row['mbu']:.1f}% |")
-    if info is not None:
-        lines.append(f"| engine | warm-up | {info['warm_up_s']:.0f} s, attention {info['attention']}, "
-                     f"bandwidth {result['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s from {result['bandwidth_source']} |")
+    for key in ("engine", "engine_xla"):
+        info, *rows = result.get(key) or [None]
+        for row in rows:
+            lines.append(f"| {key} | {result['model']} B={row['batch']} | {row['decode_tok_per_s']:.0f} tok/s, step "
+                         f"{row['step_ms']:.2f} ms (host {row['host_ms']:.2f} ms), MBU {100 * row['mbu']:.1f}% |")
+        if info is not None:
+            lines.append(f"| {key} | warm-up | {info['warm_up_s']:.0f} s, attention {info['attention']}, bandwidth "
+                         f"{result['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s from {result['bandwidth_source']} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the script, measures nothing")
-    parser.add_argument("--skip-tests", action="store_true", help="leave out the gpu tests (e.g. a second run)")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated, of {', '.join(SECTIONS)} (default: all)")
     parser.add_argument("--tests-timeout", type=float, default=240.0, help="seconds allowed for the gpu tests")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    sections = args.sections.split(",")
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"--sections: unknown {unknown}; choose from {', '.join(SECTIONS)}")
     if args.smoke:
         jax.config.update("jax_platforms", "cpu")
     sizes = SMOKE if args.smoke else FULL
     start = time.perf_counter()
     # The tests first, in their own process, before this one starts a backend: a GPU backend takes
     # most of the device's memory at start.
-    tests = {"skipped_by_flag": True} if args.skip_tests else run_gpu_tests(args.tests_timeout)
+    tests = run_gpu_tests(args.tests_timeout) if "tests" in sections else None
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
     if not (on_gpu or args.smoke):
         parser.error(f"no GPU here (jax sees {device.platform}); run with --smoke to check the script on CPU")
-    result = {"device_kind": device.device_kind, "platform": device.platform, "jax": jax.__version__,
-              "smoke": args.smoke, "model": sizes.model.name, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "tests": tests}
-    print(f"tests done at {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-    result["kernels"] = section(result, "kernels", lambda: check_kernels(sizes, on_gpu), [])
-    print(f"kernels done at {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-    result["bandwidth_bytes_per_s"], result["bandwidth_source"] = device_bandwidth(device)
-    # The engine with the Pallas kernel (auto); should that fail on a first GPU, the XLA attention
-    # still gives the step's figures.
-    result["engine"] = section(result, "engine", lambda: run_engine(sizes, device, result["bandwidth_bytes_per_s"],
-                                                                    "auto"), None)
-    if result["engine"] is None and not args.smoke:
-        result["engine"] = section(result, "engine_xla", lambda: run_engine(
-            sizes, device, result["bandwidth_bytes_per_s"], "xla"), None)
-    result["seconds"] = time.perf_counter() - start
     # A smoke run measures nothing worth keeping: its file is git-ignored (*_new.*).
     out = args.out or REPO / "bench" / "results" / ("gpu_check_smoke_new.json" if args.smoke else
                                                      f"gpu_check_{device.platform}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    result = {"device_kind": device.device_kind, "platform": device.platform, "jax": jax.__version__,
+              "smoke": args.smoke, "model": sizes.model.name, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "sections": sections}
+
+    def save():
+        result["seconds"] = time.perf_counter() - start
+        out.write_text(json.dumps(result, indent=2) + "\n")
+
+    def done(name: str):
+        save()
+        print(f"{name} done at {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+
+    if tests is not None:
+        result["tests"] = tests
+        done("tests")
+    if "kernels" in sections:
+        result["kernels"] = []
+        section(result, "kernels", lambda: check_kernels(sizes, on_gpu, result["kernels"], save))
+        done("kernels")
+    if "engine" in sections:
+        result["bandwidth_bytes_per_s"], result["bandwidth_source"] = device_bandwidth(device)
+        result["engine"] = []
+        # The engine with the Pallas kernel (auto); should that fail on a first GPU, the XLA attention
+        # still gives the step's figures.
+        ran = section(result, "engine", lambda: run_engine(sizes, device, result["bandwidth_bytes_per_s"], "auto",
+                                                           result["engine"], save))
+        if not (ran or args.smoke):
+            result["engine_xla"] = []
+            section(result, "engine_xla", lambda: run_engine(sizes, device, result["bandwidth_bytes_per_s"], "xla",
+                                                             result["engine_xla"], save))
+        done("engine")
     print(table(result))
     print(f"{result['seconds']:.0f} s in all; saved {out}")
-    if result.get("errors"):
+    kernel_failed = any(f"{name}_failed" in row for row in result.get("kernels", []) for name in ("pallas", "xla"))
+    if result.get("errors") or kernel_failed:
         sys.exit(1)
 
 
