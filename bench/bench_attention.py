@@ -38,7 +38,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # noqa: E402
-from orca_jax.model.paged_attention import native_cache_dir, ragged_paged_attention_xla  # noqa: E402
+from orca_jax.model.backends import native_cache_dir  # noqa: E402
+from orca_jax.model.paged_attention import ragged_paged_attention_xla  # noqa: E402
 from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference  # noqa: E402
 from pallas_kernels import native  # noqa: E402
 from pallas_kernels.native import ragged_paged_attention_native, unavailable_reason  # noqa: E402

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import machine  # noqa: E402
 from bench_single_stream import copy_bandwidth, cpu_model  # noqa: E402
 
-from orca_jax.model.paged_attention import native_cache_dir  # noqa: E402
+from orca_jax.model.backends import native_cache_dir  # noqa: E402
 from pallas_kernels import native  # noqa: E402
 from pallas_kernels import quantized_matmul as qm  # noqa: E402
 

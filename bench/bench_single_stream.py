@@ -53,10 +53,10 @@ def cpu_model() -> str:
 
 
 def native_isa() -> str:
-    from orca_jax.model.paged_attention import native_cache_dir
+    from orca_jax.model.backends import native_unavailable
     from pallas_kernels import native
 
-    reason = native.unavailable_reason(native_cache_dir())
+    reason = native_unavailable()
     return native.isa() if reason is None else f"unavailable ({reason})"
 
 

@@ -61,7 +61,7 @@ def cpu_flags() -> list[str]:
 def native_isa() -> str:
     """The variant the native kernels run here ($ORCA_JAX_NATIVE_ISA can force a lower one)."""
     try:
-        from orca_jax.model.paged_attention import native_cache_dir
+        from orca_jax.model.backends import native_cache_dir
         from pallas_kernels import native
     except ImportError as error:  # a bench run outside the package's environment
         return f"unknown ({error})"

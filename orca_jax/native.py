@@ -11,15 +11,15 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    from orca_jax.model.paged_attention import native_cache_dir
+    from orca_jax.model.backends import native_cache_dir, native_unavailable
     from pallas_kernels import native
 
-    directory = native_cache_dir()
-    reason = native.unavailable_reason(directory)
+    reason = native_unavailable()
     if reason is not None:
         print(f"native attention: not available: {reason}")
         return 1 if "--require" in argv else 0
-    print(f"native kernels (attention, quantized matmul): built, {native.build(directory)} ({native.isa()} variant)")
+    print(f"native kernels (attention, quantized matmul): built, {native.build(native_cache_dir())} "
+          f"({native.isa()} variant)")
     return 0
 
 

@@ -9,8 +9,8 @@ Formats (weights of one output row, `in` a multiple of 32, split into blocks of 
     int8  int8 [out, in] with one f32 scale per output row (per-channel, symmetric): w = scale * q
     f32   not quantized: float32 rows [out, in], a float model's matrix transposed. XLA:CPU runs a
           dot of a few rows on one thread; the kernel reads the rows once, on every thread, which
-          makes a float model's decode steps of 2-8 rows faster (model/quantization.py,
-          `serve_float_rows`)
+          makes a float model's decode steps of 2-8 rows faster (orca_jax/runner/float_rows.py,
+          the float32 rows of orca_jax.model.linear.FloatRowsLinear)
 
 The GGUF formats are the blocks exactly as a GGUF file stores them: `weights` is then the tensor's
 uint8 data, [out, in / 32 * block bytes], as `gguf.GGUFReader` maps it.
@@ -65,7 +65,12 @@ FLOAT_NATIVE_MAX_TOKENS = 8
 
 __all__ = ["BLOCK", "BLOCK_BYTES", "FLOAT_NATIVE_MAX_TOKENS", "FORMATS", "GGUF_FORMATS", "check_weights", "dequantize",
            "NATIVE_MAX_TOKENS", "dequantize_reference", "quantize_int8", "quantized_matmul", "quantized_matmul_native",
-           "quantized_matmul_reference", "quantized_matmul_xla"]
+           "quantized_matmul_reference", "quantized_matmul_xla", "row_size"]
+
+
+def row_size(format: str, in_features: int) -> int:
+    """The length of one row of `in_features` weights in `format` (bytes for the GGUF formats)."""
+    return in_features if format in ("int8", "f32") else in_features // BLOCK * BLOCK_BYTES[format]
 
 
 def check_weights(format: str, weights_shape: tuple[int, ...], in_features: int, scales_shape=None) -> None:
@@ -74,9 +79,9 @@ def check_weights(format: str, weights_shape: tuple[int, ...], in_features: int,
         raise ValueError(f"quantized matmul: unknown format {format!r}; known: {', '.join(FORMATS)}")
     if in_features % BLOCK:
         raise ValueError(f"quantized matmul: in={in_features} is not a multiple of the {BLOCK}-weight block")
-    row_size = in_features if format in ("int8", "f32") else in_features // BLOCK * BLOCK_BYTES[format]
-    if len(weights_shape) != 2 or weights_shape[1] != row_size:
-        raise ValueError(f"quantized matmul: {format} weights for in={in_features} must be [out, {row_size}], "
+    size = row_size(format, in_features)
+    if len(weights_shape) != 2 or weights_shape[1] != size:
+        raise ValueError(f"quantized matmul: {format} weights for in={in_features} must be [out, {size}], "
                          f"got {tuple(weights_shape)}")
     if format == "int8" and (scales_shape is None or tuple(scales_shape) != (weights_shape[0],)):
         raise ValueError(f"quantized matmul: int8 weights need scales of shape ({weights_shape[0]},), "

@@ -74,10 +74,9 @@ def require_native() -> None:
     import os
     import shutil
 
-    from orca_jax.model.paged_attention import native_cache_dir
-    from pallas_kernels.native import unavailable_reason
+    from orca_jax.model.backends import native_unavailable
 
-    reason = unavailable_reason(native_cache_dir())
+    reason = native_unavailable()
     if reason is None:
         return
     if shutil.which(os.environ.get("CXX", "g++")) is None:

@@ -20,6 +20,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from orca_jax.model.layers import Dense, RMSNorm
+from orca_jax.model.linear import LinearPlan, all_float
 from orca_jax.model.paged_attention import MASK_VALUE, paged_attention
 from orca_jax.model.rotary import RopeScaling, apply_rope
 
@@ -93,20 +94,22 @@ class Attention(nnx.Module):
         sm_scale: float | None = None,
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
+        linear: LinearPlan = all_float,
     ):
         """`use_bias`: biases on every projection (GPT-2); `qkv_bias`: on q, k, v only (Qwen2);
         `qk_norm_eps`: RMSNorm each head's q and k over Dh with this eps before rotary (Qwen3);
         `sliding_window` (tokens), `soft_cap`: the kernel contract's optional terms (Mistral, Gemma);
-        `sm_scale`: the score scale, 1/sqrt(head_dim) unless given."""
-        def proj(heads: int, axis: str) -> Dense:
+        `sm_scale`: the score scale, 1/sqrt(head_dim) unless given; `linear`: each projection's
+        method ("q", "k", "v", "o")."""
+        def proj(name: str, heads: int, axis: str) -> Dense:
             return Dense((d_model,), (heads, head_dim), ("embed",), (axis, "head_dim"),
-                         use_bias=use_bias or qkv_bias, dtype=dtype, rngs=rngs)
+                         use_bias=use_bias or qkv_bias, dtype=dtype, rngs=rngs, method=linear(name))
 
-        self.q = proj(num_heads, "q_heads")
-        self.k = proj(num_kv_heads, "kv_heads")
-        self.v = proj(num_kv_heads, "kv_heads")
+        self.q = proj("q", num_heads, "q_heads")
+        self.k = proj("k", num_kv_heads, "kv_heads")
+        self.v = proj("v", num_kv_heads, "kv_heads")
         self.o = Dense((num_heads, head_dim), (d_model,), ("q_heads", "head_dim"), ("embed",),
-                       use_bias=use_bias, dtype=dtype, rngs=rngs)
+                       use_bias=use_bias, dtype=dtype, rngs=rngs, method=linear("o"))
         self.q_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps, dtype)
         self.k_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps, dtype)
         self.rope_theta = rope_theta  # None: positions come from a learned embedding instead

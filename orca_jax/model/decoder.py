@@ -12,6 +12,7 @@ from orca_jax.model.attention import Attention, AttentionMetadata, KVCache, Page
 from orca_jax.model.paged_attention import paged_attention
 from orca_jax.model.rotary import rope_scaling_of
 from orca_jax.model.layers import Embed, GeluMLP, LayerNorm, RMSNorm, SwiGLU
+from orca_jax.model.linear import LinearPlan, all_float, within
 
 # Every logical axis name a parameter may carry; the parallelism rules table maps each to a mesh
 # axis (or to None, replicated).
@@ -19,7 +20,9 @@ LOGICAL_AXES = ("vocab", "embed", "positions", "q_heads", "kv_heads", "head_dim"
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, index: int, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, index: int, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 linear: LinearPlan = all_float):
+        """`linear`: the method of each of the layer's matrices, by path ("attn.q", "mlp.down")."""
         llama = config.architecture == "llama"
         norm = RMSNorm if llama else LayerNorm
         window = config.layer_window(index)
@@ -35,11 +38,12 @@ class DecoderLayer(nnx.Module):
             qk_norm_eps=config.norm_eps if config.qk_norm else None, sliding_window=window,
             soft_cap=config.attn_logit_softcap,
             sm_scale=None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5,
-            dtype=dtype, rngs=rngs,
+            dtype=dtype, rngs=rngs, linear=within(linear, "attn"),
         )
         self.mlp_norm = norm(config.d_model, config.norm_eps, dtype)
-        self.mlp = SwiGLU(config.d_model, config.d_ff, dtype, rngs, config.mlp_activation) if llama else \
-            GeluMLP(config.d_model, config.d_ff, dtype, rngs)
+        mlp_linear = within(linear, "mlp")
+        self.mlp = SwiGLU(config.d_model, config.d_ff, dtype, rngs, config.mlp_activation, mlp_linear) if llama else \
+            GeluMLP(config.d_model, config.d_ff, dtype, rngs, mlp_linear)
         # Gemma 2/3 also norm each sublayer's output before adding it to the residual stream.
         self.post_attn_norm = RMSNorm(config.d_model, config.norm_eps, dtype) if config.post_norms else None
         self.post_mlp_norm = RMSNorm(config.d_model, config.norm_eps, dtype) if config.post_norms else None
@@ -65,22 +69,25 @@ class Decoder(nnx.Module):
     attention looks across tokens, and only within a segment.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, linear: LinearPlan = all_float):
+        """`linear`: the method of each matrix, by its path ("embed", "lm_head", "layers.3.attn.q"):
+        float everywhere unless told otherwise (quantization.py, runner/float_rows.py)."""
         self.config = config
         dtype = jnp.dtype(config.dtype)
-        self.embed = Embed(config.vocab_size, config.d_model, ("vocab", "embed"), dtype, rngs)
+        self.embed = Embed(config.vocab_size, config.d_model, ("vocab", "embed"), dtype, rngs, linear("embed"))
         self.pos_embed = (
-            Embed(config.max_position, config.d_model, ("positions", "embed"), dtype, rngs)
+            Embed(config.max_position, config.d_model, ("positions", "embed"), dtype, rngs, linear("pos_embed"))
             if config.architecture == "gpt2"
             else None
         )
-        self.layers = nnx.List([DecoderLayer(config, i, dtype, rngs) for i in range(config.n_layers)])
+        self.layers = nnx.List([DecoderLayer(config, i, dtype, rngs, within(linear, f"layers.{i}"))
+                                for i in range(config.n_layers)])
         norm = RMSNorm if config.architecture == "llama" else LayerNorm
         self.final_norm = norm(config.d_model, config.norm_eps, dtype)
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else Embed(config.vocab_size, config.d_model, ("vocab", "embed"), dtype, rngs)
+            else Embed(config.vocab_size, config.d_model, ("vocab", "embed"), dtype, rngs, linear("lm_head"))
         )
 
     def __call__(
@@ -181,12 +188,12 @@ def project_logits(final_norm, head: Embed, x: Float[Array, "T D"], logits_index
     return logits if soft_cap is None else soft_cap * jnp.tanh(logits / soft_cap)
 
 
-def init_decoder(config: ModelConfig, seed: int = 0) -> Decoder:
+def init_decoder(config: ModelConfig, seed: int = 0, linear: LinearPlan = all_float) -> Decoder:
     """A randomly initialised decoder (tests, benchmarks of shapes without weights)."""
-    return Decoder(config, rngs=nnx.Rngs(params=jax.random.key(seed)))
+    return Decoder(config, rngs=nnx.Rngs(params=jax.random.key(seed)), linear=linear)
 
 
-def abstract_decoder(config: ModelConfig) -> Decoder:
+def abstract_decoder(config: ModelConfig, linear: LinearPlan = all_float) -> Decoder:
     """The decoder's structure with ShapeDtypeStructs instead of arrays: allocates nothing, so a
     checkpoint can be restored straight into it and a 175B config can be planned on a laptop."""
-    return nnx.eval_shape(lambda: init_decoder(config))
+    return nnx.eval_shape(lambda: init_decoder(config, linear=linear))

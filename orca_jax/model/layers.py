@@ -3,28 +3,20 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-if TYPE_CHECKING:
-    from orca_jax.model.quantization import Quantized
-
-
-def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
-    """A parameter annotated with logical axis names. Placement happens later, from a rules table,
-    so creation never needs a mesh (`eager_sharding=False`)."""
-    assert value.ndim == len(axes), (value.shape, axes)
-    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+from orca_jax.model.linear import FloatLinear, LinearMethod, LinearPlan, all_float, param
 
 
 class Dense(nnx.Module):
-    """y = x . W (+ b), contracting the trailing `in_shape` axes of x with W[in_shape + out_shape].
+    """y = x . W (+ b), contracting the trailing `in_shape` axes of x with W (in_shape -> out_shape).
 
-    Multi-axis shapes keep heads explicit, e.g. the query projection is [D] -> [H, Dh].
+    Multi-axis shapes keep heads explicit, e.g. the query projection is [D] -> [H, Dh]. `method`
+    (linear.py) holds W in its layout (`kernel`, and `scales` for int8) and multiplies by it.
     """
 
     def __init__(
@@ -37,28 +29,20 @@ class Dense(nnx.Module):
         use_bias: bool,
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
+        method: LinearMethod = FloatLinear(),
     ):
-        fan_in = math.prod(in_shape)
-        kernel = jax.random.normal(rngs.params(), in_shape + out_shape, dtype) / math.sqrt(fan_in)
-        self.kernel = param(kernel, in_axes + out_axes)
+        self.method = method
+        self.kernel, self.scales = method.dense_weights(rngs.params(), in_shape, out_shape, in_axes + out_axes, dtype)
         self.bias = param(jnp.zeros(out_shape, dtype), out_axes) if use_bias else None
         self.num_in_axes = len(in_shape)
         self.out_shape = out_shape
-        # Set by model/quantization.py: `kernel` then holds quantized rows [out, ...], `scales` the
-        # int8 format's per-row scales.
-        self.quantized: Quantized | None = None
-        self.scales: nnx.Param | None = nnx.data(None)
+        self.rows_shape = (math.prod(out_shape), math.prod(in_shape))  # (out, in) of the matrix as rows
 
     def __call__(self, x: jax.Array, num_rows: Int[Array, ""] | None = None) -> jax.Array:
-        """`num_rows`: x's leading rows that are real (AttentionMetadata.num_tokens); the native
+        """`num_rows`: x's leading rows that are real (AttentionMetadata.num_tokens); a native
         kernel skips the others, which then hold zeros (before the bias)."""
-        if self.quantized is not None:
-            rows = x.reshape(-1, math.prod(x.shape[x.ndim - self.num_in_axes:]))
-            y = self.quantized.matmul(rows, self.kernel[...], None if self.scales is None else self.scales[...],
-                                      num_rows).astype(x.dtype)
-            y = y.reshape(x.shape[:x.ndim - self.num_in_axes] + self.out_shape)
-        else:
-            y = jnp.tensordot(x, self.kernel[...], axes=self.num_in_axes)
+        y = self.method.dense(x, self.kernel[...], None if self.scales is None else self.scales[...],
+                              self.num_in_axes, self.out_shape, num_rows)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -90,40 +74,42 @@ class LayerNorm(nnx.Module):
 
 
 class Embed(nnx.Module):
-    """A lookup table [N, D]; `attend` reuses it as a tied LM head."""
+    """A lookup table of rows [N, ...] (`embedding`, and `scales` for int8) in `method`'s layout;
+    `attend` reuses it as a tied LM head (a row per output token)."""
 
-    def __init__(self, num: int, dim: int, axes: tuple[str, str], dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.embedding = param(jax.random.normal(rngs.params(), (num, dim), dtype) * 0.02, axes)
+    def __init__(self, num: int, dim: int, axes: tuple[str, str], dtype: jnp.dtype, rngs: nnx.Rngs,
+                 method: LinearMethod = FloatLinear()):
+        self.method = method
+        self.embedding, self.scales = method.table_weights(rngs.params(), num, dim, axes, dtype)
         self.dtype = dtype
-        # As Dense's: `embedding` then holds quantized rows, one per token (the tied head's outputs).
-        self.quantized: Quantized | None = None
-        self.scales: nnx.Param | None = nnx.data(None)
+        self.rows_shape = (num, dim)  # (out, in) of the matrix as rows (as a head)
 
     def __call__(self, ids: Int[Array, " T"]) -> Float[Array, "T D"]:
-        rows = jnp.take(self.embedding[...], ids, axis=0)
-        if self.quantized is None:
-            return rows
-        scales = None if self.scales is None else jnp.take(self.scales[...], ids, axis=0)
-        return self.quantized.dequantize(rows, scales).astype(self.dtype)
+        return self.method.lookup(self.embedding[...], self._scales(), ids, self.dtype)
 
     def attend(self, x: Float[Array, "T D"], num_rows: Int[Array, ""] | None = None) -> Float[Array, "T V"]:
-        if self.quantized is not None:
-            scales = None if self.scales is None else self.scales[...]
-            return self.quantized.matmul(x, self.embedding[...], scales, num_rows).astype(x.dtype)
-        return jnp.einsum("td,vd->tv", x, self.embedding[...])
+        return self.method.attend(x, self.embedding[...], self._scales(), num_rows)
+
+    def _scales(self) -> jax.Array | None:
+        return None if self.scales is None else self.scales[...]
 
 
 GATE_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 class SwiGLU(nnx.Module):
-    """Llama MLP: down(silu(gate(x)) * up(x)); with activation "gelu_tanh" it is Gemma's GeGLU."""
+    """Llama MLP: down(silu(gate(x)) * up(x)); with activation "gelu_tanh" it is Gemma's GeGLU.
+    `linear` names each matrix's method ("gate", "up", "down")."""
 
-    def __init__(self, d_model: int, d_ff: int, dtype: jnp.dtype, rngs: nnx.Rngs, activation: str = "silu"):
+    def __init__(self, d_model: int, d_ff: int, dtype: jnp.dtype, rngs: nnx.Rngs, activation: str = "silu",
+                 linear: LinearPlan = all_float):
         self.activation = activation
-        self.gate = Dense((d_model,), (d_ff,), ("embed",), ("mlp",), use_bias=False, dtype=dtype, rngs=rngs)
-        self.up = Dense((d_model,), (d_ff,), ("embed",), ("mlp",), use_bias=False, dtype=dtype, rngs=rngs)
-        self.down = Dense((d_ff,), (d_model,), ("mlp",), ("embed",), use_bias=False, dtype=dtype, rngs=rngs)
+        self.gate = Dense((d_model,), (d_ff,), ("embed",), ("mlp",), use_bias=False, dtype=dtype, rngs=rngs,
+                          method=linear("gate"))
+        self.up = Dense((d_model,), (d_ff,), ("embed",), ("mlp",), use_bias=False, dtype=dtype, rngs=rngs,
+                        method=linear("up"))
+        self.down = Dense((d_ff,), (d_model,), ("mlp",), ("embed",), use_bias=False, dtype=dtype, rngs=rngs,
+                          method=linear("down"))
 
     def __call__(self, x: Float[Array, "T D"], num_rows: Int[Array, ""] | None = None) -> Float[Array, "T D"]:
         gated = GATE_ACTIVATIONS[self.activation](self.gate(x, num_rows)) * self.up(x, num_rows)
@@ -133,9 +119,11 @@ class SwiGLU(nnx.Module):
 class GeluMLP(nnx.Module):
     """GPT-2/3 MLP: down(gelu(up(x))), with biases and the tanh approximation GPT-2 was trained with."""
 
-    def __init__(self, d_model: int, d_ff: int, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.up = Dense((d_model,), (d_ff,), ("embed",), ("mlp",), use_bias=True, dtype=dtype, rngs=rngs)
-        self.down = Dense((d_ff,), (d_model,), ("mlp",), ("embed",), use_bias=True, dtype=dtype, rngs=rngs)
+    def __init__(self, d_model: int, d_ff: int, dtype: jnp.dtype, rngs: nnx.Rngs, linear: LinearPlan = all_float):
+        self.up = Dense((d_model,), (d_ff,), ("embed",), ("mlp",), use_bias=True, dtype=dtype, rngs=rngs,
+                        method=linear("up"))
+        self.down = Dense((d_ff,), (d_model,), ("mlp",), ("embed",), use_bias=True, dtype=dtype, rngs=rngs,
+                          method=linear("down"))
 
     def __call__(self, x: Float[Array, "T D"], num_rows: Int[Array, ""] | None = None) -> Float[Array, "T D"]:
         return self.down(jax.nn.gelu(self.up(x, num_rows), approximate=True), num_rows)

@@ -21,16 +21,12 @@ consecutive, ending at kv_lens - 1. For speed (not correctness) decode tokens co
 
 from __future__ import annotations
 
-import functools
-import logging
+import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
-
-from orca_jax.config import ATTENTION_IMPL_CHOICES, ConfigError, compilation_cache_dir
-
-log = logging.getLogger(__name__)
 
 # Finite, so a row with every key masked gives zeros instead of NaN (exp(-inf - -inf) = NaN).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -170,87 +166,40 @@ def _native(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens, 
                                          sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
-# "pallas" compiles the kernel (Triton on GPU); "pallas-interpret" runs its body as plain JAX on any
-# backend (slow: for checking the kernel inside the engine on CPU); "native" is the C++ CPU kernel.
-ATTENTION_IMPLS = {
-    "xla": ragged_paged_attention_xla,
-    "pallas": _pallas(interpret=False),
-    "pallas-interpret": _pallas(interpret=True),
-    "native": _native,
-}
-
-
 def _native_write_kv(k_pages, v_pages, k, v, slot_mapping):
     from pallas_kernels.native import write_kv_native
 
     return write_kv_native(k_pages, v_pages, k, v, slot_mapping)
 
 
-# Who writes a call's K/V into the pages, per implementation (write_kv for any other): the native
-# kernel writes them itself, because XLA:CPU's scatter into bfloat16 pages converts the whole array.
-KV_WRITERS = {"native": _native_write_kv}
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    attend: Callable  # the kernel contract above
+    write_kv: Callable = write_kv  # (k_pages, v_pages, k, v, slot_mapping) -> (k_pages, v_pages)
 
 
-def resolve_attention_impl(requested: str, platform: str) -> str:
-    """Picks the implementation for a device platform ("cpu", "gpu", ...), once, when the step
-    function is built.
-
-    auto: the Pallas kernel on GPU; on CPU the native kernel when it builds and loads, else the XLA
-    implementation (one warning says why), since Pallas only interprets there, far slower (see
-    README, "Attention implementations").
-    pallas: compiled on GPU; in interpret mode elsewhere (correct, slow).
-    native: the C++ CPU kernel; an error, saying why, when it cannot be built or on another platform.
-    xla, pallas-interpret: as named.
-    """
-    if requested in ("xla", "pallas-interpret"):
-        return requested
-    if requested == "pallas":
-        return "pallas" if platform == "gpu" else "pallas-interpret"
-    if requested == "native":
-        if platform != "cpu":
-            raise ConfigError(f"attention_impl='native' runs on CPU only, not on {platform!r}")
-        reason = _native_unavailable()
-        if reason is not None:
-            raise ConfigError(f"attention_impl='native': {reason}")
-        return "native"
-    if requested == "auto":
-        if platform == "gpu":
-            return "pallas"
-        if platform != "cpu":
-            return "xla"
-        reason = _native_unavailable()
-        if reason is None:
-            return "native"
-        _warn_fallback(reason)
-        return "xla"
-    raise ValueError(f"attention_impl={requested!r}; choose one of {list(ATTENTION_IMPL_CHOICES)}")
-
-
-def native_cache_dir():
-    """Where the native kernel's library is built: `native/` under the one cache directory."""
-    return compilation_cache_dir() / "native"
-
-
-def _native_unavailable() -> str | None:
-    from pallas_kernels.native import unavailable_reason
-
-    return unavailable_reason(native_cache_dir())
-
-
-@functools.cache  # one line per process and reason, however many runners are built
-def _warn_fallback(reason: str) -> None:
-    log.warning("native CPU attention unavailable, using the XLA implementation (slower): %s", reason)
+# By attention_impl, as backends.resolve_attention_impl resolves it: "pallas" compiles the kernel
+# (Triton on GPU); "pallas-interpret" runs its body as plain JAX on any backend (slow: for checking
+# the kernel inside the engine on CPU); "native" is the C++ CPU kernel, which also writes the K/V
+# itself, because XLA:CPU's scatter into bfloat16 pages converts the whole array.
+ATTENTION_BACKENDS = {
+    "xla": AttentionBackend(ragged_paged_attention_xla),
+    "pallas": AttentionBackend(_pallas(interpret=False)),
+    "pallas-interpret": AttentionBackend(_pallas(interpret=True)),
+    "native": AttentionBackend(_native, _native_write_kv),
+}
 
 
 def paged_attention(q: Float[Array, "T H Dh"], k: Float[Array, "T K Dh"], v: Float[Array, "T K Dh"],
                     kv: tuple[KVPages, KVPages], meta, *, sm_scale: float, sliding_window: int | None = None,
                     soft_cap: float | None = None, impl: str = "xla"):
-    """One layer's cache step: writes this call's K/V into the pages, then attends over them with
-    the implementation `impl` (`sliding_window`, `soft_cap`: the contract's optional terms, see
-    pallas_kernels.ragged_paged_attention.check_options). Returns (out [T, H, Dh], (k_pages, v_pages)).
+    """One layer's cache step: writes this call's K/V into the pages, then attends over them, both
+    as the backend `impl` (a key of ATTENTION_BACKENDS) does them (`sliding_window`, `soft_cap`: the
+    contract's optional terms, see pallas_kernels.ragged_paged_attention.check_options). Returns (out [T, H, Dh], (k_pages, v_pages)).
     `meta` is the layer's AttentionMetadata. Under tensor parallelism this whole function runs per
     shard of heads."""
-    k_pages, v_pages = KV_WRITERS.get(impl, write_kv)(*kv, k, v, meta.slot_mapping)
-    out = ATTENTION_IMPLS[impl](q, k_pages, v_pages, meta.segment_ids, meta.positions, meta.block_tables,
-                                meta.kv_lens, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    backend = ATTENTION_BACKENDS[impl]
+    k_pages, v_pages = backend.write_kv(*kv, k, v, meta.slot_mapping)
+    out = backend.attend(q, k_pages, v_pages, meta.segment_ids, meta.positions, meta.block_tables,
+                         meta.kv_lens, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     return out, (k_pages, v_pages)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import sys
 import time
@@ -54,14 +55,14 @@ from orca_jax.runner.packing import pack
 from orca_jax.engine.step_plan import Buckets, KVLayout, RunnerLost, StepPlan, StepTokens, padding_plan, step_tokens
 from orca_jax.model.attention import AttentionMetadata
 from orca_jax.model.decoder import Decoder, DecoderStage
-from orca_jax.model.paged_attention import resolve_attention_impl
-from orca_jax.model.quantization import resolve_matmul_impl, serve_float_rows
+from orca_jax.model.backends import Backends
 from orca_jax.model.sampler import SamplerOutput, SamplingMetadata, sample
 from orca_jax.sampling_params import MAX_LOGPROBS
 from orca_jax.parallel import kv_cache_sharding, param_shardings, stage_meshes
 from orca_jax.parallel.layout import check_parallel, kv_heads_for_tp, stage_layer_ranges
 from orca_jax.parallel.tensor_parallel import kv_projections_replicated, replicate_kv_heads, sharded_paged_attention
 from orca_jax.runner.draft_model import DraftModelRunner
+from orca_jax.runner.float_rows import float_rows_methods, float_rows_stage
 from orca_jax.runner.speculation import (DraftModelProposer, NgramProposer, SpeculationMetadata, SpeculativeOutput,
                                          verify_and_propose, write_tokens)
 
@@ -200,8 +201,9 @@ class ModelRunner:
         self.buckets = buckets
         self.max_in_flight = parallel.pipeline_parallel_size
         platform = meshes[0].devices.flat[0].platform
-        self.attention_impl = resolve_attention_impl(attention_impl, platform)
-        self.matmul_impl = resolve_matmul_impl(matmul_impl, platform, config.dtype, parallel.tensor_parallel_size)
+        backends = Backends.resolve(platform, attention_impl=attention_impl, matmul_impl=matmul_impl,
+                                    dtype=config.dtype, tensor_parallel_size=parallel.tensor_parallel_size)
+        self.attention_impl, self.matmul_impl = backends.attention, backends.matmul
         if platform == "cpu" and self.kv_dtype == jnp.bfloat16 and self.attention_impl != "native":
             log.warning("bfloat16 KV pages with the %s attention on CPU slow every step: XLA:CPU writes new K/V "
                         "into bfloat16 pages by converting whole page arrays (the native kernel writes them "
@@ -244,11 +246,13 @@ class ModelRunner:
         graphdef, state = nnx.split(DecoderStage(model, layers, first=first, last=last))
         num_kv_heads = kv_shape[2]
         widen = num_kv_heads != self.config.n_kv_heads
-        native_rows = self.matmul_impl == "native"
+        native_rows = self.matmul_impl == "native" and bool(float_rows_methods(model))
+        # The float matrices as rows for the native kernel: a stage rebuilt with those methods.
+        stage_rows = functools.partial(float_rows_stage, model, layers, first=first, last=last, sharding=replicated)
         if native_rows and self.weights is None:
             # Before placing (tp = 1, so nothing is widened): the rows are made once per array of the
-            # given model and shared by every runner over it (model/quantization.py).
-            graphdef, state = float_rows(graphdef, state, replicated)
+            # given model and shared by every runner over it (runner/float_rows.py).
+            graphdef, state = stage_rows(state=state)
         shardings = param_shardings(state, mesh)
         if self.weights is None:
             params = jax.device_put(replicate_kv_heads(state, num_kv_heads) if widen else state, shardings)
@@ -260,7 +264,7 @@ class ModelRunner:
             if widen:
                 params = jax.device_put(replicate_kv_heads(params, num_kv_heads), shardings)
             if native_rows:
-                graphdef, params = float_rows(graphdef, params, replicated)
+                graphdef, params = stage_rows(state=params)
         kv_sharding = kv_cache_sharding(mesh)
         zeros = jax.jit(lambda: jnp.zeros(kv_shape, self.kv_dtype), out_shardings=kv_sharding)
         attention = sharded_paged_attention(self.attention_impl, mesh)
@@ -623,13 +627,6 @@ class ModelRunner:
                 (np.zeros((num_seqs, vocab), np.int32), np.zeros((num_seqs, vocab), bool)), stage.replicated
             )
         return self._zero_penalties[num_seqs]
-
-
-def float_rows(graphdef, state, sharding):
-    """The stage (graphdef, state) with its float matrices as the native kernel's rows."""
-    module = nnx.merge(graphdef, state)
-    serve_float_rows(module, sharding)
-    return nnx.split(module)
 
 
 def _result_shapes(num_rows: int, kv: KVLayout) -> SamplerOutput | SpeculativeOutput:

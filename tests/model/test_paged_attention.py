@@ -10,7 +10,7 @@ from flax import nnx
 from orca_jax.config import load_model_preset
 from orca_jax.model import AttentionMetadata
 from orca_jax.model.decoder import init_decoder
-from orca_jax.model.paged_attention import ATTENTION_IMPLS, paged_attention
+from orca_jax.model.paged_attention import ATTENTION_BACKENDS, paged_attention
 
 from ..conftest import require_native
 
@@ -78,7 +78,7 @@ def test_padding_tokens_give_zeros_and_no_nan(impl):
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.normal(size=(6, 4, 8)), jnp.float32)
     pages = jnp.asarray(rng.normal(size=(5, PAGE, 2, 8)), jnp.float32)
-    out = ATTENTION_IMPLS[impl](
+    out = ATTENTION_BACKENDS[impl].attend(
         q, pages, pages, segment_ids=jnp.array([0, 0, 1, 1, 1, 1]), positions=jnp.array([3, 4, 0, 0, 0, 0]),
         block_tables=jnp.array([[2, 0]]), kv_lens=jnp.array([5]), sm_scale=0.3)
     out = np.asarray(out)

@@ -13,6 +13,7 @@ from flax import nnx
 
 from orca_jax.checkpoint.gguf_import import GGUF_FILE, unpermute_llama_qk
 from orca_jax.config import ConfigError, EngineConfig, ParallelConfig
+from orca_jax.model.linear import FloatLinear
 from orca_jax.model.quantization import quantize_decoder
 from orca_jax.parallel.memory_plan import plan_memory
 
@@ -80,7 +81,7 @@ def test_quantized_model_agrees_with_float32(request, quantization, fixture_batc
 def test_gguf_serves_the_files_own_blocks(smollm2, smollm2_gguf):
     tensors = {t.name: t for t in gguf.GGUFReader(str(smollm2.path / GGUF_FILE)).tensors}
     layer = smollm2_gguf.model.layers[3]
-    assert layer.mlp.down.quantized.format == "q4_1" and smollm2_gguf.model.embed.quantized.format == "q8_0"
+    assert layer.mlp.down.method.format == "q4_1" and smollm2_gguf.model.embed.method.format == "q8_0"
     np.testing.assert_array_equal(np.asarray(layer.mlp.down.kernel[...]), tensors["blk.3.ffn_down.weight"].data)
     np.testing.assert_array_equal(np.asarray(smollm2_gguf.model.embed.embedding[...]), tensors["token_embd.weight"].data)
     # Q rows in the half-split RoPE order the float checkpoint uses: the same weights once dequantized.
@@ -89,7 +90,7 @@ def test_gguf_serves_the_files_own_blocks(smollm2, smollm2_gguf):
     float_q = np.asarray(smollm2.model.layers[3].attn.q.kernel[...]).reshape(576, -1).T
     np.testing.assert_array_equal(gguf.quants.dequantize(q_rows, gguf.GGMLQuantizationType.Q4_1), float_q)
     # The float model the fixture holds is left as it was.
-    assert smollm2.model.layers[3].mlp.down.quantized is None
+    assert smollm2.model.layers[3].mlp.down.method == FloatLinear()
 
 
 def test_int8_scales_are_per_output_channel(smollm2, smollm2_int8):

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from orca_jax.config import ConfigError
-from orca_jax.model.paged_attention import _warn_fallback, native_cache_dir, resolve_attention_impl
+from orca_jax.model.backends import _warn_once, native_cache_dir, resolve_attention_impl
 from pallas_kernels import native
 
 from ..conftest import require_native
@@ -18,11 +18,11 @@ def fresh_native(monkeypatch, tmp_path):
     """An empty cache directory and no memory of earlier attempts; the real state comes back after."""
     monkeypatch.setenv("ORCA_JAX_COMPILATION_CACHE", str(tmp_path / "cache"))
     native.forget_attempt()
-    _warn_fallback.cache_clear()
+    _warn_once.cache_clear()
     yield tmp_path
     monkeypatch.undo()
     native.forget_attempt()
-    _warn_fallback.cache_clear()
+    _warn_once.cache_clear()
 
 
 def test_library_lives_under_the_compilation_cache_dir(monkeypatch, tmp_path):

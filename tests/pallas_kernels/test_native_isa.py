@@ -60,7 +60,7 @@ def test_the_environment_variable_forces_a_variant_for_the_whole_process():
     import subprocess
     import sys
 
-    script = ("from orca_jax.model.paged_attention import native_cache_dir\n"
+    script = ("from orca_jax.model.backends import native_cache_dir\n"
               "from pallas_kernels import native\n"
               "assert native.unavailable_reason(native_cache_dir()) is None\n"
               "print(native.isa())")

@@ -8,7 +8,7 @@ import pytest
 
 from orca_jax.config import ConfigError, EngineConfig, ParallelConfig
 from orca_jax.engine.step_plan import Buckets, padding_plan
-from orca_jax.model.quantization import resolve_matmul_impl
+from orca_jax.model.backends import resolve_matmul_impl
 from orca_jax.runner.model_runner import ModelRunner
 from orca_jax.sampling_params import SamplingParams
 from pallas_kernels import native
