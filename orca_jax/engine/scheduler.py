@@ -60,15 +60,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from orca_jax.config import SchedulerConfig
 from orca_jax.engine.kv_manager import KVCacheManager
 from orca_jax.engine.request import Request, RequestStatus
 from orca_jax.engine.speculation import DraftPolicy
-
-if TYPE_CHECKING:
-    from orca_jax.engine.step_plan import StepTokens
+from orca_jax.engine.step_tokens import StepTokens
 
 
 @dataclass

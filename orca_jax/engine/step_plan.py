@@ -1,4 +1,5 @@
-"""The engine-runner contract, without jax: the step plan, the sampled-token record, the Runner protocol.
+"""The engine-runner contract, without jax: the step plan, the Runner protocol (and the sampled-token
+record a step returns, step_tokens.py).
 
 A `StepPlan` is one iteration as plain numpy arrays padded to one of the runner's compiled buckets
 (docs/design.md, "One iteration"): everything a device program needs, and no live `Request` objects, so
@@ -32,6 +33,7 @@ import numpy as np
 
 from orca_jax.engine.request import Request
 from orca_jax.engine.scheduler import SchedulerOutput
+from orca_jax.engine.step_tokens import SampledToken, StepTokens
 from orca_jax.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_IDS
 
 # A decode step of n sequences computes n tokens: buckets reach down to one so that a step of a few
@@ -198,27 +200,6 @@ class StepPlan:
     @property
     def bucket(self) -> tuple[int, int]:
         return len(self.token_ids), len(self.sampling.temperature)
-
-
-@dataclasses.dataclass
-class SampledToken:
-    token: int
-    logprob: float
-    top: tuple[list[int], list[float]] | None  # top-N ids and logprobs, when the request asked
-
-
-@dataclasses.dataclass
-class StepTokens:
-    """A request's result of one step: its new tokens (the accepted drafts, then the target's own
-    token), the number of drafts it verified, and the drafts proposed for its next step."""
-
-    tokens: list[SampledToken]
-    num_drafts: int = 0
-    next_drafts: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self.tokens) - 1
 
 
 class RunnerLost(RuntimeError):
