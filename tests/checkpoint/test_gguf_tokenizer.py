@@ -274,7 +274,7 @@ def test_a_chat_template_writing_bos_gives_one_bos(tokenizers, name):
 
 
 def test_an_unknown_tokenizer_kind_is_refused_naming_it(spm_files, tmp_path, capsys):
-    path, sp = spm_files["llama"][0], spm_files["llama"][1]
+    sp = spm_files["llama"][1]
     rwkv = write_sentencepiece_gguf(tmp_path / "rwkv.gguf", sp, LLAMA, tokenizer_model="rwkv")
     with pytest.raises(GGUFImportError, match=r"tokenizer.ggml.model='rwkv' is not supported; "
                                               r"supported: \['gpt2', 'llama'\]"):
