@@ -53,7 +53,7 @@ class Installed:
         return self.run(str(self.venv / "bin" / "orca-jax"), *args, timeout=timeout)
 
 
-def _build_wheel(root: Path) -> Path:
+def _build_wheel(root: Path, env: dict[str, str]) -> Path:
     """`pip wheel` of a copy of what the package is built from (building in place would write build/
     and an egg-info into the checkout); the copy keeps orca_jax/configs a link, as git does."""
     source = root / "source"
@@ -64,7 +64,7 @@ def _build_wheel(root: Path) -> Path:
         shutil.copytree(REPO_ROOT / name, source / name, symlinks=True,
                         ignore=shutil.ignore_patterns("__pycache__"))
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir",
-                           str(root / "dist"), str(source)], capture_output=True, text=True, timeout=600)
+                           str(root / "dist"), str(source)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     (wheel,) = (root / "dist").glob("orca_jax-*.whl")
     return wheel
@@ -73,17 +73,18 @@ def _build_wheel(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Installed:
     root = tmp_path_factory.mktemp("installed")
-    wheel = _build_wheel(root)
+    target = Installed(root)
+    wheel = _build_wheel(root, target.env)
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
     assert "orca_jax/configs/models/tiny.toml" in names and "orca_jax/configs/engine/default.toml" in names
     assert "pallas_kernels/cpu/ragged_paged_attention.cc" in names
 
-    target = Installed(root)
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(target.venv)], check=True, timeout=120)
+    # pip gets the clean environment too: a PYTHONPATH naming a checkout that holds an egg-info would read as
+    # orca-jax already installed.
+    assert target.run(sys.executable, "-m", "venv", "--without-pip", str(target.venv)).returncode == 0
     python = str(target.venv / "bin" / "python")
-    done = subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-deps",
-                           str(wheel)], capture_output=True, text=True, timeout=300)
+    done = target.run(sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-deps", str(wheel))
     assert done.returncode == 0, done.stdout + done.stderr
     site_packages = target.run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout
     Path(site_packages.strip(), "test_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
@@ -106,7 +107,7 @@ def test_the_venv_imports_the_wheel_not_the_checkout(installed):
     for file in (orca_file, kernels_file):
         assert Path(file).is_relative_to(installed.venv) and not Path(file).is_relative_to(REPO_ROOT), file
     assert checkout == "None"
-    assert checkpoints == str(installed.home / "checkpoints")
+    assert Path(checkpoints) == (installed.home / "checkpoints").resolve()
 
 
 def _free_port() -> int:
@@ -115,27 +116,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _request(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, bytes] | None:
+def _request(port: int, method: str, path: str, body: dict | None = None) -> tuple[int | None, bytes]:
+    """(status, body); status None while nothing listens on the port."""
     try:
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         connection.request(method, path, body=None if body is None else json.dumps(body))
         response = connection.getresponse()
         return response.status, response.read()
-    except OSError:  # not listening yet
-        return None
+    except OSError:
+        return None, b""
 
 
-def test_serves_the_tiny_checkpoint_by_path_over_http(installed):
+def test_serves_the_tiny_checkpoint_by_path_over_http(installed, tmp_path):
     port = _free_port()
-    server = subprocess.Popen([str(installed.venv / "bin" / "orca-jax"), "serve", "--model", str(TINY),
-                               *ENGINE, "--port", str(port)],
-                              cwd=installed.cwd, env=installed.env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "server.log"
+    with log.open("w") as output:
+        server = subprocess.Popen([str(installed.venv / "bin" / "orca-jax"), "serve", "--model", str(TINY),
+                                   *ENGINE, "--port", str(port)],
+                                  cwd=installed.cwd, env=installed.env, stdout=output, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
-        while (_request(port, "GET", "/health") or (None,))[0] != 200:
-            assert server.poll() is None, server.stdout.read()
-            assert time.monotonic() < deadline, "the server did not become ready"
+        while _request(port, "GET", "/health")[0] != 200:
+            assert server.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the server did not become ready\n" + log.read_text()
             time.sleep(0.5)
         status, body = _request(port, "POST", "/v1/completions",
                                 {"prompt": "3 5", "max_tokens": 4, "temperature": 0})
