@@ -1,11 +1,21 @@
 """Matmul with quantized weights: activations f32 [T, in] x weights quantized [out, ...] -> f32 [T, out].
 
-Formats (weights of one output row, `in` a multiple of 32, split into blocks of 32 along `in`):
+Formats (weights of one output row, `in` a multiple of the format's block, 32 weights unless said):
 
     q4_0  GGUF Q4_0, 18 bytes a block: f16 d, 16 bytes; byte j = weight j (low nibble) and weight
           j + 16 (high nibble); w = d * (q - 8)
     q4_1  GGUF Q4_1, 20 bytes: f16 d, f16 m, 16 bytes as q4_0; w = d * q + m
     q8_0  GGUF Q8_0, 34 bytes: f16 d, 32 int8; w = d * q
+    q5_0  GGUF Q5_0, 22 bytes: f16 d, 4 bytes qh (bit j: weight j's fifth bit, little-endian), 16
+          bytes of low nibbles as q4_0; w = d * (q - 16)
+    q5_1  GGUF Q5_1, 24 bytes: f16 d, f16 m, qh and nibbles as q5_0; w = d * q + m
+    q4_k  GGUF Q4_K, 256 weights in 144 bytes: f16 d, f16 dmin, 12 bytes packing 8 six-bit scales
+          and 8 six-bit mins (one pair per 32 weights), 128 bytes of nibbles: each 32 bytes hold
+          two sub-blocks (low nibbles the first, high nibbles the second); w = (d * sc) * q - dmin * m
+    q5_k  GGUF Q5_K, 256 weights in 176 bytes: d, dmin, scales as q4_k, 32 bytes qh (bit i of byte
+          l: the fifth bit of weight l of sub-block i), 128 bytes of nibbles as q4_k; w as q4_k
+    q6_k  GGUF Q6_K, 256 weights in 210 bytes: 128 bytes of low nibbles, 64 bytes of 2-bit highs,
+          16 int8 scales (one per 16 weights), f16 d; w = (d * scale) * (q - 32)
     int8  int8 [out, in] with one f32 scale per output row (per-channel, symmetric): w = scale * q
     f32   not quantized: float32 rows [out, in], a float model's matrix transposed. XLA:CPU runs a
           dot of a few rows on one thread; the kernel reads the rows once, on every thread, which
@@ -13,7 +23,7 @@ Formats (weights of one output row, `in` a multiple of 32, split into blocks of 
           the float32 rows of orca_jax.model.linear.FloatRowsLinear)
 
 The GGUF formats are the blocks exactly as a GGUF file stores them: `weights` is then the tensor's
-uint8 data, [out, in / 32 * block bytes], as `gguf.GGUFReader` maps it.
+uint8 data, [out, in / block weights * block bytes], as `gguf.GGUFReader` maps it.
 
 Implementations behind the one contract (`quantized_matmul`):
 
@@ -22,13 +32,16 @@ Implementations behind the one contract (`quantized_matmul`):
   It dequantizes each block in registers and accumulates in f32 by fused multiply-adds in an
   order fixed per output element (the .cc file states it), the same for every T and every variant:
   batch-invariant.
+  The native kernel knows NATIVE_FORMATS; the others (q5_0, q5_1 and the K-quants) take XLA's
+  path on CPU too, whatever the caller asks.
 - `xla`: dequantize to f32, then one dot at HIGHEST precision: what runs on GPU (and on a CPU
   without the native library). Its summation order is XLA's, so it matches the reference to f32
   rounding, not bit for bit.
 
 `quantized_matmul_reference` (numpy) replays the native kernel's arithmetic operation by operation
-in f32, so the native kernel must equal it exactly; `dequantize_reference` equals gguf's own
-dequantize bit for bit (same f32 operations), which ties the blocks to the file.
+in f32, so the native kernel must equal it exactly (for a format the kernel does not know yet, it
+is the order such a kernel would keep: 32 weights at a time); `dequantize_reference` equals gguf's
+own dequantize bit for bit (same f32 operations), which ties the blocks to the file.
 """
 
 from __future__ import annotations
@@ -39,10 +52,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "f32")  # numbered as the .cc file's Format
-GGUF_FORMATS = FORMATS[:3]
-BLOCK = 32
-BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+NATIVE_FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "f32")  # numbered as the .cc file's Format
+FORMATS = NATIVE_FORMATS + ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+GGUF_FORMATS = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+BLOCK = 32  # weights of a block, and the native kernel's unit of summation (two 16-lane halves)
+SUPER_BLOCK = 256  # weights of a K-quant block (ggml's QK_K)
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q5_0": 22, "q5_1": 24, "q4_k": 144, "q5_k": 176, "q6_k": 210}
 LANES = 16  # the native kernel's vector width, which fixes its summation order
 # Calls of more tokens than this go to XLA's dequantize-then-dot on CPU too: the native kernel reads
 # each weight once and wins while the weights' bytes bound a call (decode steps); with many rows XLA's
@@ -63,22 +78,31 @@ NATIVE_MAX_TOKENS = 32
 # 1.16-1.37x ahead, the AVX2 variant 0.87x and 1.08x of XLA in two runs, so 16-row calls stay XLA's.
 FLOAT_NATIVE_MAX_TOKENS = 8
 
-__all__ = ["BLOCK", "BLOCK_BYTES", "FLOAT_NATIVE_MAX_TOKENS", "FORMATS", "GGUF_FORMATS", "check_weights", "dequantize",
-           "NATIVE_MAX_TOKENS", "dequantize_reference", "quantize_int8", "quantized_matmul", "quantized_matmul_native",
-           "quantized_matmul_reference", "quantized_matmul_xla", "row_size"]
+__all__ = ["BLOCK", "BLOCK_BYTES", "FLOAT_NATIVE_MAX_TOKENS", "FORMATS", "GGUF_FORMATS", "NATIVE_FORMATS",
+           "NATIVE_MAX_TOKENS", "SUPER_BLOCK", "block_weights", "check_weights", "dequantize", "dequantize_reference",
+           "quantize_int8", "quantized_matmul", "quantized_matmul_native", "quantized_matmul_reference",
+           "quantized_matmul_xla", "row_size"]
+
+
+def block_weights(format: str) -> int:
+    """How many weights one block of `format` holds: a row's `in` must be a multiple of it."""
+    return SUPER_BLOCK if format.endswith("_k") else BLOCK
 
 
 def row_size(format: str, in_features: int) -> int:
     """The length of one row of `in_features` weights in `format` (bytes for the GGUF formats)."""
-    return in_features if format in ("int8", "f32") else in_features // BLOCK * BLOCK_BYTES[format]
+    if format in ("int8", "f32"):
+        return in_features
+    return in_features // block_weights(format) * BLOCK_BYTES[format]
 
 
 def check_weights(format: str, weights_shape: tuple[int, ...], in_features: int, scales_shape=None) -> None:
     """Raises ValueError naming the problem when `weights` cannot hold `format` rows of `in_features`."""
     if format not in FORMATS:
         raise ValueError(f"quantized matmul: unknown format {format!r}; known: {', '.join(FORMATS)}")
-    if in_features % BLOCK:
-        raise ValueError(f"quantized matmul: in={in_features} is not a multiple of the {BLOCK}-weight block")
+    if in_features % block_weights(format):
+        raise ValueError(f"quantized matmul: in={in_features} is not a multiple of {format}'s "
+                         f"{block_weights(format)}-weight block")
     size = row_size(format, in_features)
     if len(weights_shape) != 2 or weights_shape[1] != size:
         raise ValueError(f"quantized matmul: {format} weights for in={in_features} must be [out, {size}], "
@@ -88,16 +112,82 @@ def check_weights(format: str, weights_shape: tuple[int, ...], in_features: int,
                          f"got {scales_shape}")
 
 
+# ---- the blocks the native kernel does not know: one dequantization for numpy and jnp -----------
+
+def _int8(xp, bytes_):
+    """uint8 -> the int8 they hold, as int32 (two's complement, spelled out: the same in numpy and jnp)."""
+    wide = bytes_.astype(xp.int32)
+    return wide - 256 * (wide >= 128).astype(xp.int32)
+
+
+def _bits(xp, bytes_, shifts):
+    """bytes [..., n] -> [..., len(shifts), n]: each byte shifted right by each of `shifts`."""
+    return bytes_[..., None, :] >> xp.asarray(tuple(shifts), xp.uint8)[:, None]
+
+
+def _k_scales_mins(xp, packed):
+    """Q4_K/Q5_K's 12 bytes -> (8 six-bit scales, 8 six-bit mins): bytes 0-3 hold scales 0-3 (low 6
+    bits) and the top bits of scales 4-7; bytes 4-7 the same for the mins; bytes 8-11 the low 4 bits of
+    scales 4-7 (low nibble) and of mins 4-7 (high nibble)."""
+    sc, mn, low = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = xp.concatenate([sc & 63, (low & 15) | ((sc >> 2) & 48)], axis=-1)
+    mins = xp.concatenate([mn & 63, (low >> 4) | ((mn >> 2) & 48)], axis=-1)
+    return scales, mins
+
+
+def _blocks_without_native(format: str, blocks, xp, half):
+    """uint8 blocks [..., block bytes] -> f32 weights [..., block weights], with gguf's f32
+    operations in gguf's order (so the numpy twin equals gguf.quants.dequantize bit for bit). `xp` is
+    numpy or jax.numpy; half(bytes [..., 2k]) reads k little-endian float16 as f32 [..., k]."""
+    lead = blocks.shape[:-1]
+    f32 = xp.float32
+    if format in ("q5_0", "q5_1"):
+        head = 2 if format == "q5_0" else 4
+        high = (_bits(xp, blocks[..., head:head + 4], range(8)) & 1).swapaxes(-1, -2).reshape(lead + (32,))
+        nibbles = blocks[..., head + 4:]
+        q = (xp.concatenate([nibbles & 15, nibbles >> 4], axis=-1) | (high << 4)).astype(f32)
+        d = half(blocks[..., 0:2])
+        return d * (q - f32(16)) if format == "q5_0" else d * q + half(blocks[..., 2:4])
+    if format in ("q4_k", "q5_k"):
+        d, dmin = half(blocks[..., 0:2]), half(blocks[..., 2:4])
+        scales, mins = _k_scales_mins(xp, blocks[..., 4:16])
+        nibbles = blocks[..., 16:] if format == "q4_k" else blocks[..., 48:]
+        # Each 32 bytes: the low nibbles are one sub-block of 32 weights, the high nibbles the next.
+        q = (_bits(xp, nibbles.reshape(lead + (4, 32)), (0, 4)) & 15).reshape(lead + (8, 32))
+        if format == "q5_k":  # bit i of qh byte l: the fifth bit of weight l of sub-block i
+            q = q | ((_bits(xp, blocks[..., 16:48], range(8)) & 1) << 4)
+        w = (d * scales.astype(f32))[..., None] * q.astype(f32) - (dmin * mins.astype(f32))[..., None]
+        return w.reshape(lead + (SUPER_BLOCK,))
+    if format == "q6_k":
+        low = (_bits(xp, blocks[..., 0:128].reshape(lead + (2, 64)), (0, 4)) & 15).reshape(lead + (8, 32))
+        high = (_bits(xp, blocks[..., 128:192].reshape(lead + (2, 32)), (0, 2, 4, 6)) & 3).reshape(lead + (8, 32))
+        q = ((low | (high << 4)).astype(f32) - f32(32)).reshape(lead + (16, 16))
+        scales = half(blocks[..., 208:210]) * _int8(xp, blocks[..., 192:208]).astype(f32)
+        return (scales[..., None] * q).reshape(lead + (SUPER_BLOCK,))
+    raise ValueError(f"no block layout for {format!r}")
+
+
+def _half_np(bytes_: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(bytes_).view(np.float16).astype(np.float32)
+
+
+def _half_jnp(bytes_: jax.Array) -> jax.Array:
+    pairs = bytes_.reshape(bytes_.shape[:-1] + (-1, 2))
+    return jax.lax.bitcast_convert_type(pairs, jnp.float16).astype(jnp.float32)
+
+
 # ---- numpy reference ---------------------------------------------------------------------------
 
 def _blocks_reference(format: str, weights: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
-    """f32 weights [out, blocks, 32]; for int8 without the row scale (the kernel applies it last)."""
+    """f32 weights [out, in / 32, 32]; for int8 without the row scale (the kernel applies it last)."""
     out = weights.shape[0]
     if format == "f32":
         return weights.astype(np.float32).reshape(out, -1, BLOCK)
     if format == "int8":
         return weights.view(np.int8).reshape(out, -1, BLOCK).astype(np.float32)
     blocks = weights.reshape(out, -1, BLOCK_BYTES[format])
+    if format not in NATIVE_FORMATS:
+        return _blocks_without_native(format, blocks, np, _half_np).reshape(out, -1, BLOCK)
     d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [out, blocks, 1]
     if format == "q8_0":
         return blocks[..., 2:].copy().view(np.int8).astype(np.float32) * d
@@ -181,6 +271,8 @@ def dequantize(format: str, weights: jax.Array, scales: jax.Array | None = None)
     if format == "int8":
         return weights.astype(jnp.float32) * scales[:, None].astype(jnp.float32)
     blocks = weights.reshape(rows, -1, BLOCK_BYTES[format])
+    if format not in NATIVE_FORMATS:
+        return _blocks_without_native(format, blocks, jnp, _half_jnp).reshape(rows, -1)
 
     def half(offset):  # [rows, blocks, 1]
         return jax.lax.bitcast_convert_type(blocks[..., offset:offset + 2], jnp.float16).astype(jnp.float32)[..., None]
@@ -211,6 +303,8 @@ def quantized_matmul_native(x: jax.Array, format: str, weights: jax.Array, scale
     from pallas_kernels import native
 
     native._require_loaded()
+    if format not in NATIVE_FORMATS:
+        raise ValueError(f"the native kernel has no {format!r} format; it knows {', '.join(NATIVE_FORMATS)}")
     call = jax.ffi.ffi_call(native.MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], weights.shape[0]), jnp.float32))
     scales = jnp.zeros((0,), jnp.float32) if scales is None else scales.astype(jnp.float32)
     rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32).reshape(())
@@ -226,10 +320,11 @@ def quantized_matmul(x: jax.Array, format: str, weights: jax.Array, scales: jax.
     larger T XLA's dequantize-then-dot: both lowerings are in the program, so one jitted function
     serves CPU and GPU (and lowers for CUDA on a CPU machine). `num_rows`: how many leading rows of x
     are real (a step's tokens before its bucket's padding); the native kernel computes only those and
-    gives zeros after them, XLA's dot computes every row. Real rows are the same either way."""
+    gives zeros after them, XLA's dot computes every row. Real rows are the same either way. A format
+    the native kernel does not know (not in NATIVE_FORMATS) takes XLA's path on every platform."""
     check_weights(format, weights.shape, x.shape[-1], None if scales is None else scales.shape)
     xla = lambda: quantized_matmul_xla(x, format, weights, scales)  # noqa: E731
-    if not cpu_native or x.shape[0] > native_max_tokens:
+    if not cpu_native or format not in NATIVE_FORMATS or x.shape[0] > native_max_tokens:
         return xla()
     return jax.lax.platform_dependent(cpu=lambda: quantized_matmul_native(x, format, weights, scales, num_rows),
                                       default=xla)

@@ -5,7 +5,8 @@ CPU has, forced one by one, against the numpy reference on ragged shapes.
 order (block dequantization as gguf does it, 16 lane sums of fused multiply-adds over the blocks, a
 halving tree over the lanes), so any reordering, unfused or extra fused operation or wrong nibble
 shows as a difference. XLA's
-dequantize-then-dot (the GPU path) sums in its own order: it is held to a rounding bound instead."""
+dequantize-then-dot (the GPU path, and on CPU the formats the native kernel does not know: Q5_0,
+Q5_1 and the K-quants) sums in its own order: it is held to a rounding bound instead."""
 
 import gguf
 import jax
@@ -18,9 +19,10 @@ from pallas_kernels import native
 from pallas_kernels import quantized_matmul as qm
 
 from ..conftest import require_native
+from ..kquants import QUANTIZERS, quantize_k
 
-GGUF_TYPES = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
-              "q8_0": gguf.GGMLQuantizationType.Q8_0}
+GGUF_TYPES = {format: gguf.GGMLQuantizationType[format.upper()] for format in qm.GGUF_FORMATS}
+XLA_ONLY_FORMATS = [f for f in qm.FORMATS if f not in qm.NATIVE_FORMATS]
 # (T, in, out): decode (1-3 tokens), a sequence verifying 4 drafts (5 tokens: a full tile and one
 # token), a prefill chunk, a full tile; SmolLM2's in = 576 and 1536; outputs that leave a remainder of rows
 # (577 = 4 * 144 + 1, 130) and of items (out not a multiple of 32).
@@ -32,6 +34,8 @@ def quantized(format: str, w: np.ndarray):
         return w, None
     if format == "int8":
         return qm.quantize_int8(w)
+    if format in QUANTIZERS:  # gguf-py has no K-quant quantizer: tests/kquants.py
+        return quantize_k(w, format), None
     return gguf.quants.quantize(w, GGUF_TYPES[format]), None
 
 
@@ -46,7 +50,7 @@ def restore_isa():
 native_matmul = jax.jit(qm.quantized_matmul_native, static_argnums=1)
 
 
-@pytest.mark.parametrize("format", qm.FORMATS)
+@pytest.mark.parametrize("format", qm.NATIVE_FORMATS)
 def test_every_variant_equals_the_reference_bit_for_bit(restore_isa, format):
     rng = np.random.default_rng(qm.FORMATS.index(format))
     for tokens, inner, out in SHAPES:
@@ -111,6 +115,13 @@ def test_the_reference_fma_rounds_once_even_at_a_halfway_f64_sum():
     np.testing.assert_array_equal(qm.fma_f32(a, a, c), np.array([16785410, 16785408, 16785408], np.float32))
 
 
+def within_rounding(got: np.ndarray, want: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
+    """Two f32 sums of `in` products in different orders differ by at most ~in * eps * sum |x w|."""
+    bound = x.shape[1] * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(w).T)
+    worst = np.max(np.abs(got - want) / np.maximum(bound, np.finfo(np.float32).tiny))
+    assert (np.abs(got - want) <= bound).all(), f"off by up to {worst:.3g} x the rounding bound"
+
+
 @pytest.mark.parametrize("format", qm.FORMATS)
 def test_xla_dequantize_then_dot_is_within_rounding_of_the_reference(format):
     rng = np.random.default_rng(11)
@@ -118,9 +129,7 @@ def test_xla_dequantize_then_dot_is_within_rounding_of_the_reference(format):
     x = rng.standard_normal((5, 1536)).astype(np.float32)
     want = qm.quantized_matmul_reference(x, format, weights, scales)
     got = np.asarray(qm.quantized_matmul(x, format, weights, scales, cpu_native=False))
-    # Two f32 sums of 1536 products in different orders differ by at most ~in * eps * sum |x w|.
-    bound = 1536 * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(qm.dequantize_reference(format, weights, scales)).T)
-    assert (np.abs(got - want) <= bound).all()
+    within_rounding(got, want, x, qm.dequantize_reference(format, weights, scales))
     np.testing.assert_array_equal(np.asarray(qm.dequantize(format, jnp.asarray(weights),
                                                            None if scales is None else jnp.asarray(scales))),
                                   qm.dequantize_reference(format, weights, scales))
@@ -129,11 +138,50 @@ def test_xla_dequantize_then_dot_is_within_rounding_of_the_reference(format):
 @pytest.mark.parametrize("format", qm.GGUF_FORMATS)
 def test_blocks_dequantize_exactly_as_gguf_does(format):
     rng = np.random.default_rng(3)
-    w = rng.standard_normal((64, 576)).astype(np.float32)
+    w = rng.standard_normal((64, 768)).astype(np.float32)
     w[0] = 0.0  # a zero block (d = 0)
-    w[1, :32] = 1e-6  # tiny scales: subnormal f16 d
+    w[1, :256] = 1e-6  # tiny scales: subnormal f16 d
+    w[2, :256] += 3.0  # a block of positive weights only: a zero min
     weights, _ = quantized(format, w)
-    np.testing.assert_array_equal(qm.dequantize_reference(format, weights), gguf.quants.dequantize(weights, GGUF_TYPES[format]))
+    want = gguf.quants.dequantize(weights, GGUF_TYPES[format])
+    np.testing.assert_array_equal(qm.dequantize_reference(format, weights), want)
+    np.testing.assert_array_equal(np.asarray(qm.dequantize(format, jnp.asarray(weights))), want)
+    step = np.abs(w).max() / (7 if format in ("q4_0", "q4_1", "q4_k") else 15)
+    assert np.abs(want - w).max() <= step, "the blocks do not read back as the weights they were written from"
+
+
+@pytest.mark.parametrize("format", qm.GGUF_FORMATS)
+def test_random_blocks_dequantize_exactly_as_gguf_does(format):
+    """Every bit of the scales, mins and high bits set somewhere (a quantizer leaves some at zero):
+    random bytes with finite f16 d (and dmin)."""
+    rng = np.random.default_rng(4)
+    size = qm.BLOCK_BYTES[format]
+    blocks = rng.integers(0, 256, (16, 3, size), dtype=np.uint8)
+    halves = rng.standard_normal((16, 3, 2)).astype(np.float16).view(np.uint8).reshape(16, 3, 4)
+    if format == "q6_k":
+        blocks[..., size - 2:] = halves[..., :2]  # d last
+    elif format in ("q4_0", "q8_0", "q5_0"):
+        blocks[..., :2] = halves[..., :2]
+    else:  # d, then m or dmin
+        blocks[..., :4] = halves
+    weights = blocks.reshape(16, -1)
+    want = gguf.quants.dequantize(weights, GGUF_TYPES[format])
+    assert np.isfinite(want).all()
+    np.testing.assert_array_equal(qm.dequantize_reference(format, weights), want)
+    np.testing.assert_array_equal(np.asarray(qm.dequantize(format, jnp.asarray(weights))), want)
+
+
+@pytest.mark.parametrize("format", XLA_ONLY_FORMATS)
+def test_formats_without_a_native_kernel_take_xla_on_ragged_rows(format):
+    """The new block types through the one entry point, as the engine calls it (native kernel asked
+    for, which does not know them): every row count a step sends, within rounding of the reference."""
+    rng = np.random.default_rng(qm.FORMATS.index(format))
+    weights, _ = quantized(format, rng.standard_normal((130, 1536)).astype(np.float32))
+    w = qm.dequantize_reference(format, weights)
+    program = jax.jit(lambda x, w: qm.quantized_matmul(x, format, w, None, cpu_native=True, native_max_tokens=64))
+    for rows in (1, 2, 5, 16, 64):
+        x = rng.standard_normal((rows, 1536)).astype(np.float32)
+        within_rounding(np.asarray(program(x, weights)), qm.quantized_matmul_reference(x, format, weights), x, w)
 
 
 def test_int8_scales_and_values_match_a_plain_numpy_quantizer():
@@ -154,19 +202,26 @@ def test_bad_weights_are_refused_with_the_expected_shape():
     x = np.zeros((2, 576), np.float32)
     with pytest.raises(ValueError, match=r"q4_1 weights for in=576 must be \[out, 360\]"):
         qm.quantized_matmul(x, "q4_1", np.zeros((8, 324), np.uint8))
-    with pytest.raises(ValueError, match="not a multiple of the 32-weight block"):
+    with pytest.raises(ValueError, match="in=40 is not a multiple of q8_0's 32-weight block"):
         qm.quantized_matmul(np.zeros((2, 40), np.float32), "q8_0", np.zeros((8, 34), np.uint8))
     with pytest.raises(ValueError, match=r"int8 weights need scales of shape \(8,\)"):
         qm.quantized_matmul(x, "int8", np.zeros((8, 576), np.int8))
-    with pytest.raises(ValueError, match="unknown format 'q5_0'"):
-        qm.quantized_matmul(x, "q5_0", np.zeros((8, 576), np.uint8))
+    with pytest.raises(ValueError, match="unknown format 'q3_k'"):
+        qm.quantized_matmul(x, "q3_k", np.zeros((8, 576), np.uint8))
+    with pytest.raises(ValueError, match="in=576 is not a multiple of q4_k's 256-weight block"):
+        qm.quantized_matmul(x, "q4_k", np.zeros((8, 324), np.uint8))
 
 
-def test_the_matmul_lowers_for_cuda_as_dequantize_then_dot():
+@pytest.mark.parametrize("format", qm.GGUF_FORMATS)
+def test_the_matmul_lowers_for_cuda_as_dequantize_then_dot(format):
     """The GPU path of the same jitted function: exported for CUDA on this CPU machine, with no
-    custom call left (the native kernel is a CPU-only branch)."""
-    shapes = (jax.ShapeDtypeStruct((4, 576), jnp.float32), jax.ShapeDtypeStruct((192, 360), jnp.uint8))
-    exported = export.export(jax.jit(lambda x, w: qm.quantized_matmul(x, "q4_1", w)), platforms=["cuda"])(*shapes)
+    custom call left (the native kernel is a CPU-only branch; tracing it needs the library loaded,
+    except for the formats it does not know, which have no such branch)."""
+    if format in qm.NATIVE_FORMATS:
+        require_native()
+    shapes = (jax.ShapeDtypeStruct((4, 768), jnp.float32),
+              jax.ShapeDtypeStruct((192, qm.row_size(format, 768)), jnp.uint8))
+    exported = export.export(jax.jit(lambda x, w: qm.quantized_matmul(x, format, w)), platforms=["cuda"])(*shapes)
     module = exported.mlir_module()
     assert exported.platforms == ("cuda",)
     assert "orca_quantized_matmul" not in module and "stablehlo.dot_general" in module
