@@ -8,12 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-from orca_jax.config import (ATTENTION_IMPL_CHOICES, DEFAULT_MODEL, DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES,
-                             LOAD_FORMAT_CHOICES, MATMUL_IMPL_CHOICES, MATMUL_PRECISION_CHOICES, QUANTIZATION_CHOICES,
-                             SCHEDULING_POLICIES)
+from orca_jax.config import DEFAULT_MODEL
+from orca_jax.engine_args import add_engine_flags, config_from_flags
 from orca_jax.parallel.multihost import DistributedConfig, run_process
 from orca_jax.parallel.plan_cli import add_plan_arguments, plan_command
-from orca_jax.sizes import byte_size
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,58 +147,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags. Each one left out falls back to --config's file, then to EngineConfig's default."""
     group = parser.add_argument_group("engine (defaults: --config file, else configs/engine/default.toml values)")
     group.add_argument("--config", type=Path, help="an EngineConfig TOML file, e.g. configs/engine/default.toml")
-    group.add_argument("--model", help=f"preset name or checkpoint directory (default {DEFAULT_MODEL})")
-    group.add_argument("--policy", choices=SCHEDULING_POLICIES, help="scheduling policy")
-    group.add_argument("--max-num-seqs", type=int, help="requests running at once")
-    group.add_argument("--max-num-batched-tokens", type=int, help="tokens per forward pass")
-    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                       help="plan and dispatch each step while the one before computes, hiding host work (default "
-                            "on; one pipeline stage, no draft model; --no-async-scheduling steps one at a time)")
-    group.add_argument("--page-size", type=int, help="tokens per KV page")
-    group.add_argument("--kv-cache-memory", type=byte_size,
-                       help="KV cache per device, e.g. 1GiB, 512MiB or bytes (default: sized from "
-                            "--gpu-memory-utilization on accelerators, 1GiB on CPU)")
-    group.add_argument("--gpu-memory-utilization", type=float, dest="device_memory_utilization",
-                       help="fraction of each accelerator's memory for parameters and KV pages (default 0.9); "
-                            "the KV cache gets what the parameters leave. Ignored on CPU")
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                       help="share the KV pages of common prompt prefixes (--no-enable-prefix-caching turns a "
-                            "config file's true off)")
-    group.add_argument("--max-model-len", type=int,
-                       help="tokens per sequence, prompt + output (default: the model's context length); a shorter "
-                            "one lets orca/static reserve less KV per request")
-    group.add_argument("--attention-impl", choices=ATTENTION_IMPL_CHOICES)
-    group.add_argument("--dtype", choices=DTYPE_CHOICES,
-                       help="weights, activations and KV pages (auto: the checkpoint's own dtype, but float32 on CPU, "
-                            "where bfloat16 is slower; bfloat16 halves weights and KV pages)")
-    group.add_argument("--matmul-precision", choices=MATMUL_PRECISION_CHOICES,
-                       help="precision of the model's matmuls (auto: highest for float32 models, i.e. no TF32 on "
-                            "GPUs; default for 16-bit ones, 16-bit products summed in float32)")
-    group.add_argument("--matmul-impl", choices=MATMUL_IMPL_CHOICES,
-                       help="float matrices' matmuls (auto: native on CPU for float32 at tp 1; native: the CPU "
-                            "kernel for decode-sized calls over the matrices as rows, XLA for the rest; xla: XLA's "
-                            "dot, the reference)")
-    group.add_argument("--quantization", choices=QUANTIZATION_CHOICES,
-                       help="weights kept quantized (none: the dtype's): gguf serves the GGUF's own Q4_0/Q4_1/Q8_0 "
-                            "blocks, int8 quantizes float weights per output channel at load")
-    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES,
-                       help="KV pages (auto: the model's dtype); bfloat16 halves what attention reads and doubles "
-                            "the pages a --kv-cache-memory budget holds")
-    group.add_argument("--tensor-parallel-size", type=int, help="devices each layer is split over")
-    group.add_argument("--pipeline-parallel-size", type=int, help="pipeline stages the layers are split into")
-    group.add_argument("--load-format", choices=LOAD_FORMAT_CHOICES,
-                       help="auto: the checkpoint's weights; dummy: seeded random weights of the model's shapes (a "
-                            "preset such as llama-3-70b), made on each device: try a layout without its weights")
-    group.add_argument("--dummy-seed", type=int, help="seed of the dummy weights (default 0)")
-    group.add_argument("--tokenizer", metavar="NAME_OR_PATH",
-                       help="use this checkpoint's tokenizer (name or directory) instead of the model's own")
-    group.add_argument("--structured-outputs-config", type=json_object_arg, metavar="JSON",
-                       help="vLLM's flag: defaults for constrained requests, e.g. '{\"disable_additional_properties\": "
-                            "false}' lets objects whose schema does not say additionalProperties carry invented "
-                            "keys and json_object be unbounded (default true: only the keys a schema lists)")
-    group.add_argument("--speculative-config", type=json_object_arg, metavar="JSON",
-                       help="vLLM's flag: speculative decoding, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                            "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' (README, Speculative decoding)")
+    add_engine_flags(group)
     hosts = parser.add_argument_group(
         "multi-host (start one process per host with the same flags; process 0 prints or serves, the others "
         "follow it; defaults from $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID)")
@@ -255,38 +202,9 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace):
     """The EngineConfig: each flag given overrides the --config file, which overrides the defaults."""
-    import dataclasses
-
     from orca_jax.config import EngineConfig, load_toml
 
-    base = load_toml(EngineConfig, args.config) if args.config else EngineConfig()
-
-    def override(section, **flags):
-        return dataclasses.replace(section, **{k: v for k, v in flags.items() if v is not None})
-
-    return override(
-        base,
-        model=args.model,
-        max_model_len=args.max_model_len,
-        dtype=args.dtype,
-        matmul_precision=args.matmul_precision,
-        matmul_impl=args.matmul_impl,
-        quantization=args.quantization,
-        attention_impl=args.attention_impl,
-        load_format=args.load_format,
-        dummy_seed=args.dummy_seed,
-        tokenizer=args.tokenizer,
-        cache=override(base.cache, page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
-                       device_memory_utilization=args.device_memory_utilization,
-                       enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),
-        scheduler=override(base.scheduler, policy=args.policy, max_num_seqs=args.max_num_seqs,
-                           max_num_batched_tokens=args.max_num_batched_tokens,
-                           async_scheduling=args.async_scheduling),
-        parallel=override(base.parallel, tensor_parallel_size=args.tensor_parallel_size,
-                          pipeline_parallel_size=args.pipeline_parallel_size),
-        structured_outputs=_structured_outputs_config(base.structured_outputs, args.structured_outputs_config),
-        speculative_config=_speculative_config(base.speculative_config, args.speculative_config),
-    )
+    return config_from_flags(load_toml(EngineConfig, args.config) if args.config else EngineConfig(), args)
 
 
 def token_ids_arg(text: str) -> list[int]:
@@ -295,41 +213,6 @@ def token_ids_arg(text: str) -> list[int]:
     if not words or not all(w.isdigit() for w in words):
         raise argparse.ArgumentTypeError(f"token ids are non-negative integers separated by spaces, got {text!r}")
     return [int(w) for w in words]
-
-
-def json_object_arg(text: str) -> dict:
-    import json
-
-    try:
-        value = json.loads(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"not JSON ({error}): {text!r}") from error
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
-
-
-def _speculative_config(base, given: dict | None):
-    """--speculative-config over the config file's table, checked as a TOML table is."""
-    import dataclasses
-
-    from orca_jax.config import SpeculativeConfig, from_dict
-
-    if given is None:
-        return base
-    return from_dict(SpeculativeConfig, {**(dataclasses.asdict(base) if base else {}), **given}, "--speculative-config")
-
-
-def _structured_outputs_config(base, given: dict | None):
-    """--structured-outputs-config over the config file's, checked as a TOML table is (unknown keys
-    and wrong types are errors that name them)."""
-    import dataclasses
-
-    from orca_jax.config import from_dict
-
-    if given is None:
-        return base
-    return from_dict(type(base), {**dataclasses.asdict(base), **given}, "--structured-outputs-config")
 
 
 def _generate(args: argparse.Namespace) -> int:

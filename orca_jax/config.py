@@ -261,20 +261,36 @@ class ModelConfig:
         return self.vocab_size * d + self.n_layers * layer + extra + head
 
 
+def setting(default: Any = dataclasses.MISSING, description: str = "", *, unit: str | None = None,
+            flag: str | None = None, keyword: str | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
+    """Declares one engine setting, a field of EngineConfig or of one of its sections: its default, its
+    description (the CLI's --help and docs/configuration.md) and unit, and its CLI flag and `LLM`
+    keyword where they are not the field's name (--field-name, field_name), as vLLM spells them.
+    orca_jax/engine_args.py derives the flags and the keywords from these declarations; the TOML keys
+    are the field names themselves (from_dict). A section declared with setting() is one setting
+    given whole (a JSON flag, a dict keyword, a TOML table); a section without is a TOML table whose
+    fields are settings each."""
+    metadata = {"description": description, "unit": unit, "flag": flag, "keyword": keyword}
+    return field(default=default, default_factory=default_factory, metadata=metadata)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    page_size: int = 16  # tokens per KV page
-    # Bytes of KV cache on each device (its stage's layers, its share of the heads). None: on an
-    # accelerator, what device_memory_utilization x the device's memory leaves after the parameters
-    # and the reserve; on CPU (no memory figure to size from) DEFAULT_CPU_KV_CACHE_MEMORY.
-    kv_cache_memory: int | None = None
-    enable_prefix_caching: bool = False  # share the KV pages of common prompt prefixes (paged, chunked, orca)
-    # KV pages' dtype: auto = the model's (the reference); bfloat16 halves the bytes attention reads
-    # and doubles the pages a budget holds, at a small cost in precision (docs/numerics.md).
-    kv_cache_dtype: KVCacheDType = "auto"
-    # vLLM's gpu_memory_utilization: the fraction of each accelerator's memory (as JAX reports it)
-    # for parameters and KV pages; the rest is kept for activations and workspace.
-    device_memory_utilization: float = 0.9
+    page_size: int = setting(16, "tokens per KV page", unit="tokens")
+    kv_cache_memory: int | None = setting(
+        None, "KV cache per device (its stage's layers, its share of the heads), e.g. 1GiB, 512MiB or bytes; "
+              "none: on an accelerator, what device_memory_utilization x its memory leaves after the parameters "
+              "and the reserve, on CPU 1GiB", unit="bytes")
+    enable_prefix_caching: bool = setting(
+        False, "share the KV pages of common prompt prefixes (paged, chunked, orca); --no-enable-prefix-caching "
+               "turns a config file's true off")
+    kv_cache_dtype: KVCacheDType = setting(
+        "auto", "KV pages' dtype (auto: the model's, the reference); bfloat16 halves what attention reads and "
+                "doubles the pages a kv_cache_memory budget holds, at a small cost in precision (docs/numerics.md)")
+    device_memory_utilization: float = setting(
+        0.9, "fraction of each accelerator's memory (as JAX reports it) for parameters and KV pages; the KV "
+             "cache gets what the parameters leave, the rest is kept for activations and workspace. Ignored on CPU",
+        unit="fraction", flag="--gpu-memory-utilization")
 
     def __post_init__(self) -> None:
         _check_positive(self, "page_size")
@@ -297,12 +313,14 @@ def kv_page_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    policy: SchedulingPolicy = "chunked"  # static, orca, paged or chunked (docs/scheduling.md)
-    max_num_seqs: int = 32  # requests running at once
-    max_num_batched_tokens: int = 512  # tokens in one forward pass (prefill + decode)
-    # vLLM's async scheduling: plan and dispatch the next step while the current one computes
-    # (engine/scheduler.py); applies with one pipeline stage and no draft model
-    async_scheduling: bool = True
+    policy: SchedulingPolicy = setting("chunked", "scheduling policy (docs/scheduling.md)", flag="--policy",
+                                       keyword="scheduling_policy")
+    max_num_seqs: int = setting(32, "requests running at once", unit="requests")
+    max_num_batched_tokens: int = setting(512, "tokens in one forward pass (prefill + decode)", unit="tokens")
+    async_scheduling: bool = setting(
+        True, "plan and dispatch each step while the one before computes, hiding host work (vLLM's async "
+              "scheduling; with one pipeline stage and no draft model; the outputs are the same either way; "
+              "--no-async-scheduling steps one at a time)")
 
     def __post_init__(self) -> None:
         _check_literal(self, "policy", SCHEDULING_POLICIES)
@@ -318,8 +336,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1  # devices a layer's weights are split over
-    pipeline_parallel_size: int = 1  # stages the layers are split into
+    tensor_parallel_size: int = setting(1, "devices each layer's weights are split over", unit="devices")
+    pipeline_parallel_size: int = setting(1, "pipeline stages the layers are split into", unit="stages")
 
     def __post_init__(self) -> None:
         _check_positive(self, "tensor_parallel_size", "pipeline_parallel_size")
@@ -330,11 +348,11 @@ class StructuredOutputsConfig:
     """Defaults for constrained requests (vLLM's --structured-outputs-config); a request's own
     `structured_outputs` options override them."""
 
-    # True: an object schema that does not say `additionalProperties` generates only the properties
-    # it lists, unbounded numbers get JSON's interoperable range, and json_object is bounded
-    # (engine/json_schema.py), so a small model cannot run on inventing keys or digits until
-    # max_tokens cuts the JSON. False: JSON Schema's letter (any extra key, any number).
-    disable_additional_properties: bool = True
+    # True keeps a small model from running on inventing keys or digits until max_tokens cuts the JSON.
+    disable_additional_properties: bool = setting(
+        True, "an object schema that does not say additionalProperties generates only the properties it lists, "
+              "unbounded numbers get JSON's interoperable range and json_object is bounded (engine/json_schema.py); "
+              "false: JSON Schema's letter (any extra key, any number)")
 
     def __post_init__(self) -> None:
         _require(isinstance(self.disable_additional_properties, bool),
@@ -353,20 +371,20 @@ class SpeculativeConfig:
     - "draft_model": a smaller model with the target's tokenizer proposes the drafts (`model`).
     """
 
-    method: SpeculativeMethod = "ngram"  # ngram: prompt lookup on the device; draft_model: a smaller model
-    num_speculative_tokens: int = 4  # draft tokens per request and step, at most
-    prompt_lookup_max: int = 4  # tokens: the longest suffix n-gram searched (ngram)
-    # tokens: the shortest one that counts as a match (ngram). 1, unlike vLLM's default: after a token
-    # the model changed (a fixed typo), the next copied token matches alone a step before any pair
-    # of tokens does (copy-heavy workload: 258 steps against 307 at 2), and drafts that fail cost
-    # little: the draft policy stops verifying them (engine/speculation.py)
-    prompt_lookup_min: int = 1
-    model: str | None = None  # draft_model: preset name or checkpoint directory
-    # A step's rows (decodes + drafts) stay within this many: drafts fill only the rows the decodes
-    # leave, and none are given while this many requests decode. A larger step is compute-bound on a
-    # CPU, where every draft row costs as much as a decode (docs/speculative-decoding.md); on a GPU
-    # rows stay cheap far longer: raise it there.
-    disable_by_batch_size: int = 8
+    method: SpeculativeMethod = setting(
+        "ngram", "ngram: prompt lookup on the device; draft_model: a smaller model proposes the drafts")
+    num_speculative_tokens: int = setting(4, "draft tokens per request and step, at most", unit="tokens")
+    prompt_lookup_max: int = setting(4, "the longest suffix n-gram searched (ngram)", unit="tokens")
+    # 1, unlike vLLM's default: after a token the model changed (a fixed typo), the next copied token
+    # matches alone a step before any pair of tokens does (copy-heavy workload: 258 steps against 307
+    # at 2), and drafts that fail cost little: the draft policy stops verifying them (engine/speculation.py)
+    prompt_lookup_min: int = setting(1, "the shortest n-gram that counts as a match (ngram)", unit="tokens")
+    model: str | None = setting(None, "draft_model: the draft's preset name or checkpoint directory")
+    # A larger step is compute-bound on a CPU, where every draft row costs as much as a decode
+    # (docs/speculative-decoding.md); on a GPU rows stay cheap far longer.
+    disable_by_batch_size: int = setting(
+        8, "a step's rows (decodes + drafts) stay within this many: drafts fill only the rows the decodes "
+           "leave, and none are given while this many requests decode; raise it on a GPU", unit="rows")
 
     def __post_init__(self) -> None:
         _check_literal(self, "method", SPECULATIVE_METHODS)
@@ -385,26 +403,47 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = DEFAULT_MODEL  # preset name or checkpoint directory
-    max_model_len: int | None = None  # tokens per sequence (prompt + output); None: the model's context length
-    dtype: DTypeSetting = "auto"  # weights, activations and KV pages; auto: the checkpoint's, float32 on CPU
-    # Who computes attention (docs/kernels.md): auto = the native C++ kernel on CPU (XLA if it cannot be
-    # built), the Pallas kernel on GPU; native, pallas (interpret mode on CPU) or xla force one
-    attention_impl: AttentionImpl = "auto"
-    matmul_precision: MatmulPrecision = "auto"  # see matmul_precision_for
-    matmul_impl: MatmulImpl = "auto"  # see MatmulImpl
-    quantization: Quantization = "none"  # weights kept quantized on the device (docs/quantization.md)
+    """Every engine setting, declared once with setting() (here and in the sections below)."""
+
+    model: str = setting(DEFAULT_MODEL, "preset name or checkpoint directory")
+    max_model_len: int | None = setting(
+        None, "tokens per sequence, prompt + output (none: the model's context length); a shorter one lets "
+              "orca/static reserve less KV per request", unit="tokens")
+    dtype: DTypeSetting = setting(
+        "auto", "weights, activations and KV pages (auto: the checkpoint's own dtype, but float32 on CPU, where "
+                "bfloat16 is slower; bfloat16 halves weights and KV pages)")
+    attention_impl: AttentionImpl = setting(
+        "auto", "who computes attention (docs/kernels.md): auto = the native C++ kernel on CPU (XLA if it cannot "
+                "be built), the Pallas kernel on GPU; native, pallas (interpret mode on CPU) or xla force one")
+    matmul_precision: MatmulPrecision = setting(
+        "auto", "precision of the model's matmuls (auto: highest for float32 models, i.e. no TF32 on GPUs; "
+                "default for 16-bit ones, 16-bit products summed in float32); see matmul_precision_for")
+    matmul_impl: MatmulImpl = setting(
+        "auto", "float matrices' matmuls (auto: native on CPU for float32 at tp 1; native: the CPU kernel for "
+                "decode-sized calls over the matrices as rows, XLA for the rest; xla: XLA's dot, the reference)")
+    quantization: Quantization = setting(
+        "none", "weights kept quantized on the device (none: the dtype's): gguf serves the GGUF's own blocks, "
+                "int8 quantizes float weights per output channel at load (docs/quantization.md)")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
-    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
-    # Weights and tokenizer (scale-out). "dummy": seeded random weights of the model's shapes (a preset
-    # name, or a checkpoint directory's model.toml), made on each device for its own shard: a layout can
-    # be tried and benchmarked without the weights; outputs are meaningless.
-    load_format: LoadFormat = "auto"
-    dummy_seed: int = 0  # the dummy weights' seed: the same seed, the same weights, whatever the layout
-    tokenizer: str | None = None  # checkpoint name or directory whose tokenizer to use (default: the model's own)
+    structured_outputs: StructuredOutputsConfig = setting(
+        default_factory=StructuredOutputsConfig, flag="--structured-outputs-config",
+        keyword="structured_outputs_config",
+        description="defaults for constrained requests (vLLM's flag), e.g. '{\"disable_additional_properties\": "
+                    "false}' lets objects whose schema does not say additionalProperties carry invented keys and "
+                    "json_object be unbounded (default true: only the keys a schema lists)")
+    speculative_config: SpeculativeConfig | None = setting(
+        None, "speculative decoding (vLLM's flag; none: off), e.g. '{\"method\": \"ngram\", "
+              "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' "
+              "(docs/speculative-decoding.md)")
+    load_format: LoadFormat = setting(
+        "auto", "auto: the checkpoint's weights; dummy: seeded random weights of the model's shapes (a preset such "
+                "as llama-3-70b, or a checkpoint's model.toml), made on each device for its own shard: try a layout "
+                "without its weights; the outputs are meaningless")
+    dummy_seed: int = setting(0, "seed of the dummy weights: the same seed, the same weights, whatever the layout")
+    tokenizer: str | None = setting(
+        None, "use this checkpoint's tokenizer (name or directory) instead of the model's own")
 
     def __post_init__(self) -> None:
         _check_literal(self, "load_format", LOAD_FORMAT_CHOICES)

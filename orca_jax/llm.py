@@ -8,14 +8,13 @@
 
 from __future__ import annotations
 
-import inspect
 import sys
 import time
 from pathlib import Path
 from typing import Sequence, Union
 
-from orca_jax.config import (DEFAULT_MODEL, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig,
-                             from_dict)
+from orca_jax.config import DEFAULT_MODEL, EngineConfig
+from orca_jax.engine_args import check_keywords, config_from_keywords, llm_signature
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
 
@@ -27,87 +26,32 @@ class LLM:
         self,
         model: str | Path = DEFAULT_MODEL,
         *,
-        scheduling_policy: str = "chunked",
-        max_num_seqs: int = 32,
-        max_num_batched_tokens: int = 512,
-        async_scheduling: bool = True,
-        page_size: int = 16,
-        kv_cache_memory: int | None = None,
-        device_memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = False,
-        kv_cache_dtype: str = "auto",
-        attention_impl: str = "auto",
-        max_model_len: int | None = None,
-        dtype: str = "auto",
-        matmul_precision: str = "auto",
-        matmul_impl: str = "auto",
-        quantization: str = "none",
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        speculative_config: dict | SpeculativeConfig | None = None,
-        load_format: str = "auto",
-        dummy_seed: int = 0,
-        tokenizer: str | None = None,
         token_buckets: Sequence[int] | None = None,
         seq_buckets: Sequence[int] | None = None,
         show_progress: bool = True,
         config: EngineConfig | None = None,
         distributed=None,
+        **engine_args,
     ):
         """`model`: a preset name (pulled on first use if it has published weights) or a checkpoint
-        directory. `kv_cache_memory`: bytes of KV cache per device (default: sized from
-        `device_memory_utilization` x each accelerator's memory; 1 GiB on CPU). `load_format="dummy"`: seeded random
-        weights (`dummy_seed`) of the model's shapes, for trying a layout without its weights; `tokenizer`:
-        another checkpoint's tokenizer (name or directory). `token_buckets` / `seq_buckets`
-        override the compiled step shapes (default: powers of two up to the limits). `config`: a whole
-        EngineConfig (e.g. from a TOML file), used instead of the engine keyword arguments.
-        `async_scheduling`: plan and dispatch each step while the one before computes (vLLM's flag;
-        with one pipeline stage and no draft model; the outputs are the same either way).
-        `speculative_config`: vLLM's dict (or a SpeculativeConfig), e.g. {"method": "ngram",
-        "num_speculative_tokens": 4}; None: no speculative decoding.
-        `distributed`: a multihost.DistributedConfig when this process leads others (after
-        `multihost.initialize`); the followers run `orca_jax.runner.follower.follow`."""
+        directory. `engine_args`: any engine setting by its keyword, e.g. `scheduling_policy="orca"`,
+        `max_num_seqs=8`, `kv_cache_memory` (bytes of KV cache per device), `speculative_config` (vLLM's
+        dict or a SpeculativeConfig, e.g. {"method": "ngram", "num_speculative_tokens": 4}); every one,
+        with its default, is in docs/configuration.md and in inspect.signature(LLM). An unknown keyword
+        is a TypeError naming its close matches. `config`: a whole EngineConfig (e.g. from a TOML
+        file), used instead of the engine keywords. `token_buckets` / `seq_buckets` override the
+        compiled step shapes (default: powers of two up to the limits). `distributed`: a
+        multihost.DistributedConfig when this process leads others (after `multihost.initialize`); the
+        followers run `orca_jax.runner.follower.follow`."""
         from orca_jax.runner.builder import BuildOptions, build_engine
 
+        check_keywords(engine_args, others=("token_buckets", "seq_buckets", "show_progress", "config", "distributed"))
         if config is not None:
-            engine_args = dict(model=model, scheduling_policy=scheduling_policy, max_num_seqs=max_num_seqs,
-                               max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling,
-                               page_size=page_size,
-                               kv_cache_memory=kv_cache_memory, device_memory_utilization=device_memory_utilization,
-                               enable_prefix_caching=enable_prefix_caching,
-                               kv_cache_dtype=kv_cache_dtype, attention_impl=attention_impl,
-                               max_model_len=max_model_len, dtype=dtype, matmul_precision=matmul_precision,
-                               matmul_impl=matmul_impl, quantization=quantization,
-                               tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                               speculative_config=speculative_config, load_format=load_format, dummy_seed=dummy_seed,
-                               tokenizer=tokenizer)
-            defaults = inspect.signature(LLM.__init__).parameters
-            given = sorted(name for name, value in engine_args.items() if value != defaults[name].default)
+            given = sorted([*engine_args, *(["model"] if str(model) != DEFAULT_MODEL else [])])
             if given:
                 raise ValueError(f"LLM(config=...) takes the engine settings from the config; {given} would be "
                                  "ignored: set them in the EngineConfig instead")
-        self.config = config or EngineConfig(
-            model=str(model),
-            max_model_len=max_model_len,
-            dtype=dtype,
-            matmul_precision=matmul_precision,
-            matmul_impl=matmul_impl,
-            quantization=quantization,
-            attention_impl=attention_impl,
-            load_format=load_format,
-            dummy_seed=dummy_seed,
-            tokenizer=tokenizer,
-            cache=CacheConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
-                              device_memory_utilization=device_memory_utilization,
-                              enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
-            scheduler=SchedulerConfig(policy=scheduling_policy, max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      async_scheduling=async_scheduling),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                    pipeline_parallel_size=pipeline_parallel_size),
-            speculative_config=(from_dict(SpeculativeConfig, speculative_config, "speculative_config")
-                                if isinstance(speculative_config, dict) else speculative_config),
-        )
+        self.config = config or config_from_keywords({"model": model, **engine_args})
         options = BuildOptions(token_buckets=token_buckets, seq_buckets=seq_buckets, show_progress=show_progress)
         self.engine = build_engine(self.config, options, distributed=distributed)
         self.runner = self.engine.runner
@@ -198,3 +142,8 @@ class LLM:
                     bar.set_postfix(tok_s=f"{(self.engine.num_generated_tokens - tokens_before) / elapsed:.1f}")
         bar.close()
         return [finished[i] for i in request_ids]
+
+
+# The engine keywords are declared once, with their fields (config.setting); the signature shows them
+# to help(), inspect and notebooks as if written out.
+LLM.__init__.__signature__ = llm_signature(LLM.__init__)
