@@ -41,8 +41,9 @@ DTypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
 MatmulPrecision = Literal["auto", "highest", "high", "default"]
 SpeculativeMethod = Literal["ngram", "draft_model"]
 LoadFormat = Literal["auto", "dummy"]  # auto: the checkpoint's weights; dummy: seeded random ones (vLLM's names)
-# Weights kept quantized on the device (model/quantization.py): "gguf" serves a GGUF's own Q4_0/Q4_1/Q8_0
-# blocks, "int8" quantizes float weights per output channel at load; "none" keeps the dtype's.
+# Weights kept quantized on the device (model/quantization.py): "gguf" serves a GGUF's own blocks, tensor
+# by tensor (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), "int8" quantizes float weights per output
+# channel at load; "none" keeps the dtype's.
 Quantization = Literal["none", "gguf", "int8"]
 
 

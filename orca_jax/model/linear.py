@@ -10,8 +10,8 @@ kernel) is a new model (relayout.py).
   row once on every thread: faster for a decode step's few rows; calls of more rows take XLA's
   dot over the same rows.
 - Int8Linear: int8 rows [out, in] with one float32 scale per row (per output channel, symmetric).
-- GGUFBlockLinear: a GGUF tensor's blocks as the file stores them, [out, in / 32 * block bytes];
-  one block type per entry of GGUF_BLOCK_TYPES.
+- GGUFBlockLinear: a GGUF tensor's blocks as the file stores them, [out, in / block weights *
+  block bytes]; one block type per entry of GGUF_BLOCK_TYPES.
 
 The row methods compute through pallas_kernels.quantized_matmul (the native kernel on CPU, XLA's
 dequantize-then-dot elsewhere and for larger calls). An Embed table is rows [N, D] under every
@@ -29,12 +29,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.quantized_matmul import (BLOCK, FLOAT_NATIVE_MAX_TOKENS, NATIVE_MAX_TOKENS, dequantize,
-                                             quantized_matmul, row_size)
+from pallas_kernels.quantized_matmul import (FLOAT_NATIVE_MAX_TOKENS, NATIVE_FORMATS, NATIVE_MAX_TOKENS,
+                                             block_weights, dequantize, quantized_matmul, row_size)
 
 # GGUF tensor types served in place, by their gguf.GGMLQuantizationType name, and the kernel format
 # of each (pallas_kernels/quantized_matmul.py). A new block type is one entry here plus its kernel.
-GGUF_BLOCK_TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+# Formats outside quantized_matmul.NATIVE_FORMATS run XLA's dequantize-then-dot on CPU as well.
+GGUF_BLOCK_TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q5_0": "q5_0", "Q5_1": "q5_1",
+                    "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 
 
 def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
@@ -125,7 +127,7 @@ class RowsLinear(LinearMethod):
 
     def fits(self, in_features: int) -> bool:
         """Whether the kernel takes rows of `in_features` weights (whole blocks)."""
-        return in_features % BLOCK == 0
+        return in_features % block_weights(self.format) == 0
 
     def _rows(self, out: int, in_features: int, dtype) -> tuple[nnx.Param, nnx.Param | None]:
         # Whole matrices on each device (tensor_parallel_size 1): no logical axes to split them by.
@@ -196,7 +198,8 @@ class Int8Linear(RowsLinear):
 @dataclasses.dataclass(frozen=True)
 class GGUFBlockLinear(RowsLinear):
     """A GGUF tensor's blocks exactly as the file stores them (uint8 rows), `block_type` a key of
-    GGUF_BLOCK_TYPES."""
+    GGUF_BLOCK_TYPES. `cpu_native` asks for the native kernel on CPU; a format it does not know
+    (native_kernel_knows false) takes XLA's dequantize-then-dot whatever is asked."""
 
     block_type: str
     cpu_native: bool
@@ -207,6 +210,10 @@ class GGUFBlockLinear(RowsLinear):
         if self.block_type not in GGUF_BLOCK_TYPES:
             raise ValueError(f"GGUF block type {self.block_type!r} has no kernel; served in place: "
                              f"{', '.join(GGUF_BLOCK_TYPES)}")
+
+    @property
+    def native_kernel_knows(self) -> bool:
+        return self.format in NATIVE_FORMATS
 
     @property
     def format(self) -> str:

@@ -4,9 +4,12 @@ linear methods (linear.py) for its matrices, whose matmuls read the quantized ro
 
 - `gguf`: the blocks of the GGUF file the checkpoint was imported from (kept beside it as
   `model.gguf`), exactly as stored: SmolLM2's Q4_1 projections and its Q8_0 embedding (also the tied
-  LM head) are what llama.cpp serves. Each tensor of a block type in linear.GGUF_BLOCK_TYPES gets a
-  GGUFBlockLinear; matrices the file stores in another type (F32, F16, K-quants ...) keep the
-  checkpoint's float weights, which the import dequantized exactly, and are logged.
+  LM head) are what llama.cpp serves; a `_M` K-quant file mixes types tensor by tensor (Q4_K, Q6_K,
+  Q5_0 ...) and each keeps its own. Each tensor of a block type in linear.GGUF_BLOCK_TYPES gets a
+  GGUFBlockLinear; matrices the file stores in another type (F32, F16, Q2_K, Q3_K, IQ* ...) keep the
+  checkpoint's float weights, which the import dequantized exactly, and one log line names their
+  types. Block types the native CPU kernel does not know run XLA's dequantize-then-dot, which the
+  start-up line says.
 - `int8`: every float matrix quantized at load per output channel (one scale per output row: the
   embedding's rows are the tied head's outputs), symmetric, round-half-even: Int8Linear.
 
@@ -43,11 +46,20 @@ class QuantizationReport:
     kept: dict[str, int]  # format -> matrices served quantized
     float_matrices: list[str]  # matrices left in the float dtype (no kernel for their type or shape)
     quantized_bytes: int
+    # Formats served in place whose CPU matmuls take XLA's dequantize-then-dot although the native
+    # kernel is loaded (it does not know them).
+    xla_formats: set[str] = dataclasses.field(default_factory=set)
+    dequantized_types: set[str] = dataclasses.field(default_factory=set)  # GGUF types left in float
 
     def one_line(self) -> str:
         kept = ", ".join(f"{n} {fmt}" for fmt, n in sorted(self.kept.items()))
-        rest = f"; {len(self.float_matrices)} left in float" if self.float_matrices else ""
-        return f"quantized matrices: {kept} ({self.quantized_bytes / 2**20:.0f} MiB){rest}"
+        line = f"quantized matrices: {kept} ({self.quantized_bytes / 2**20:.0f} MiB)"
+        if self.xla_formats:
+            line += f"; {', '.join(sorted(self.xla_formats))} by XLA's dequantize-then-dot (no native CPU kernel)"
+        if self.float_matrices:
+            types = f" ({', '.join(sorted(self.dequantized_types))} dequantized)" if self.dequantized_types else ""
+            line += f"; {len(self.float_matrices)} left in float{types}"
+        return line
 
 
 @dataclasses.dataclass
@@ -66,6 +78,8 @@ class _Quantized:
         if scales is not None:
             self.arrays[f"{path}.scales"] = jnp.asarray(scales)
         self.report.kept[method.format] = self.report.kept.get(method.format, 0) + 1
+        if isinstance(method, GGUFBlockLinear) and method.cpu_native and not method.native_kernel_knows:
+            self.report.xla_formats.add(method.format)
         self.report.quantized_bytes += rows.nbytes + (0 if scales is None else scales.nbytes)
 
 
@@ -137,12 +151,11 @@ def _serve_gguf_blocks(model: Decoder, path: Path, quantized: _Quantized, method
                           f"the decoder's matrices); {path} is {arch!r}: use quantization='int8'")
     tensors = {t.name: t for t in reader.tensors}
     heads = {"attn_q": model.config.n_heads, "attn_k": model.config.n_kv_heads}
+    left_in_float: dict[str, list[str]] = {}  # GGUF type -> its tensors that keep the float weights
     for name, (module_path, module) in _matrices(model).items():
         tensor = tensors.get(name)
         if tensor is None or tensor.tensor_type.name not in GGUF_BLOCK_TYPES:
-            kind = "missing" if tensor is None else tensor.tensor_type.name
-            log.warning("%s: %s in %s has no quantized kernel; computed from the checkpoint's float weights",
-                        name, kind, path.name)
+            left_in_float.setdefault("missing" if tensor is None else tensor.tensor_type.name, []).append(name)
             quantized.report.float_matrices.append(name)
             continue
         method = method_of(tensor.tensor_type.name)
@@ -159,3 +172,17 @@ def _serve_gguf_blocks(model: Decoder, path: Path, quantized: _Quantized, method
         if part in heads:  # llama.cpp's row order for interleaved RoPE, undone as the import does
             rows = unpermute_llama_qk(rows, heads[part])
         quantized.add(module_path, module, method, np.ascontiguousarray(rows), None)
+    if left_in_float:
+        # One line for the whole file: a Q2_K or IQ* file would otherwise log every matrix.
+        quantized.report.dequantized_types = set(left_in_float) - {"missing", *FLOAT_TYPES}
+        log.warning("%s: no in-place kernel for %s: computed from the checkpoint's float weights (the import "
+                    "dequantized them); served in place: %s", path.name,
+                    "; ".join(f"{kind} ({len(names)}: {_names(names)})" for kind, names in sorted(left_in_float.items())),
+                    ", ".join(GGUF_BLOCK_TYPES))
+
+
+FLOAT_TYPES = ("F32", "F16", "BF16")  # GGUF tensor types that are float already
+
+
+def _names(names: list[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
