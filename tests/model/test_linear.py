@@ -64,5 +64,6 @@ def test_an_array_that_does_not_fit_the_new_layout_is_refused_naming_it():
 
 def test_a_gguf_block_type_without_a_kernel_is_refused_naming_those_served():
     assert GGUFBlockLinear("Q4_1", cpu_native=False).format == "q4_1"
-    with pytest.raises(ValueError, match="GGUF block type 'Q5_K' has no kernel; served in place: Q4_0, Q4_1, Q8_0"):
-        GGUFBlockLinear("Q5_K", cpu_native=False)
+    with pytest.raises(ValueError, match="GGUF block type 'Q2_K' has no kernel; served in place: Q4_0, Q4_1, Q8_0, "
+                                         "Q5_0, Q5_1, Q4_K, Q5_K, Q6_K"):
+        GGUFBlockLinear("Q2_K", cpu_native=False)
