@@ -51,6 +51,20 @@ generate: setup pull
 test: setup pull
 	$(BIN)/python -m pytest -q tests
 
+# The documentation site (site/): README's headline table in step with bench/results/latest/,
+# `mkdocs build --strict` (a broken link or anchor, a page left out fails it), then every example
+# marked runnable in README.md and docs/ against the tiny model (docs/run_examples.py).
+DOCS_INSTALLED := $(VENV)/.docs-installed-stamp
+.PHONY: docs
+docs: setup $(DOCS_INSTALLED)
+	$(BIN)/python docs/gen_performance.py --check-readme
+	$(BIN)/mkdocs build --strict --quiet
+	$(BIN)/python docs/run_examples.py
+
+$(DOCS_INSTALLED): pyproject.toml | $(INSTALLED)
+	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	touch $@
+
 # The GPU run (bench/gpu_run.sh) here on CPU at tiny shapes, with gguf and llguidance unimportable as
 # on the GPU image: what it wrote is in build/gpu-dry-run/.
 .PHONY: gpu-dry-run

@@ -262,7 +262,8 @@ def page() -> str:
 
 
 def headline() -> str:
-    """README's table: the newest vs_llama_cpp run (or HEADLINE_CPU's), with its CPU named."""
+    """README's table: the newest vs_llama_cpp run (or HEADLINE_CPU's), with its CPU and commit named
+    (its date stays on the performance page: README carries no dated figure)."""
     candidates = load_latest().get("vs_llama_cpp", [])
     if HEADLINE_CPU is not None:
         candidates = [d for d in candidates if d["machine"]["cpu"] == HEADLINE_CPU]
@@ -271,9 +272,9 @@ def headline() -> str:
     d = candidates[0]
     m = d["machine"]
     return "\n".join([HEADLINE_BEGIN, "", *vs_llama_cpp(d), "",
-                      f"*{m['cpu']}, {m.get('cores', '?')} cores, native kernels `{m['native_isa']}`; "
-                      f"{m['date']}, commit `{m['commit']}`. Other CPUs and benchmarks: "
-                      f"[Performance](docs/performance.md).*", "", HEADLINE_END])
+                      f"*{m['cpu']}, {m.get('cores', '?')} cores, native kernels `{m['native_isa']}`, commit "
+                      f"`{m['commit']}` (`bench/results/latest/`). Other CPUs and benchmarks: the documentation's "
+                      "Performance page.*", "", HEADLINE_END])
 
 
 def readme_with_headline(text: str) -> str:
