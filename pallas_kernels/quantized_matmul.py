@@ -32,8 +32,8 @@ Implementations behind the one contract (`quantized_matmul`):
   It dequantizes each block in registers and accumulates in f32 by fused multiply-adds in an
   order fixed per output element (the .cc file states it), the same for every T and every variant:
   batch-invariant.
-  The native kernel knows NATIVE_FORMATS; the others (q5_0, q5_1 and the K-quants) take XLA's
-  path on CPU too, whatever the caller asks.
+  The native kernel knows NATIVE_FORMATS; the others (the K-quants) take XLA's path on CPU too,
+  whatever the caller asks.
 - `xla`: dequantize to f32, then one dot at HIGHEST precision: what runs on GPU (and on a CPU
   without the native library). Its summation order is XLA's, so it matches the reference to f32
   rounding, not bit for bit.
@@ -52,8 +52,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-NATIVE_FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "f32")  # numbered as the .cc file's Format
-FORMATS = NATIVE_FORMATS + ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+NATIVE_FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "f32", "q5_0", "q5_1")  # numbered as the .cc file's Format
+FORMATS = NATIVE_FORMATS + ("q4_k", "q5_k", "q6_k")
 GGUF_FORMATS = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 BLOCK = 32  # weights of a block, and the native kernel's unit of summation (two 16-lane halves)
 SUPER_BLOCK = 256  # weights of a K-quant block (ggml's QK_K)
@@ -112,7 +112,11 @@ def check_weights(format: str, weights_shape: tuple[int, ...], in_features: int,
                          f"got {scales_shape}")
 
 
-# ---- the blocks the native kernel does not know: one dequantization for numpy and jnp -----------
+# ---- Q5_0, Q5_1 and the K-quants: one dequantization for numpy and jnp ----------------------------
+
+# Dequantized by _blocks_shared for both numpy and jnp; Q4_0, Q4_1 and Q8_0 have a twin each.
+SHARED_LAYOUT_FORMATS = ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+
 
 def _int8(xp, bytes_):
     """uint8 -> the int8 they hold, as int32 (two's complement, spelled out: the same in numpy and jnp)."""
@@ -135,7 +139,7 @@ def _k_scales_mins(xp, packed):
     return scales, mins
 
 
-def _blocks_without_native(format: str, blocks, xp, half):
+def _blocks_shared(format: str, blocks, xp, half):
     """uint8 blocks [..., block bytes] -> f32 weights [..., block weights], with gguf's f32
     operations in gguf's order (so the numpy twin equals gguf.quants.dequantize bit for bit). `xp` is
     numpy or jax.numpy; half(bytes [..., 2k]) reads k little-endian float16 as f32 [..., k]."""
@@ -186,8 +190,8 @@ def _blocks_reference(format: str, weights: np.ndarray, scales: np.ndarray | Non
     if format == "int8":
         return weights.view(np.int8).reshape(out, -1, BLOCK).astype(np.float32)
     blocks = weights.reshape(out, -1, BLOCK_BYTES[format])
-    if format not in NATIVE_FORMATS:
-        return _blocks_without_native(format, blocks, np, _half_np).reshape(out, -1, BLOCK)
+    if format in SHARED_LAYOUT_FORMATS:
+        return _blocks_shared(format, blocks, np, _half_np).reshape(out, -1, BLOCK)
     d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [out, blocks, 1]
     if format == "q8_0":
         return blocks[..., 2:].copy().view(np.int8).astype(np.float32) * d
@@ -271,8 +275,8 @@ def dequantize(format: str, weights: jax.Array, scales: jax.Array | None = None)
     if format == "int8":
         return weights.astype(jnp.float32) * scales[:, None].astype(jnp.float32)
     blocks = weights.reshape(rows, -1, BLOCK_BYTES[format])
-    if format not in NATIVE_FORMATS:
-        return _blocks_without_native(format, blocks, jnp, _half_jnp).reshape(rows, -1)
+    if format in SHARED_LAYOUT_FORMATS:
+        return _blocks_shared(format, blocks, jnp, _half_jnp).reshape(rows, -1)
 
     def half(offset):  # [rows, blocks, 1]
         return jax.lax.bitcast_convert_type(blocks[..., offset:offset + 2], jnp.float16).astype(jnp.float32)[..., None]

@@ -6,9 +6,9 @@
 // Only the first num_rows rows of x are computed (a step's real tokens; the bucket's padding rows
 // after them come out zero), so a step of 5 tokens in the 8-token bucket multiplies 5 rows.
 //
-// W's rows are read as stored: GGUF blocks of 32 weights (Q4_0, Q4_1, Q8_0: an f16 scale, an f16
-// minimum for Q4_1, then 16 bytes of nibble pairs or 32 int8) or int8 rows with one f32 scale per
-// row, or plain f32 rows (a float model's matrix, transposed). Each 32-weight block is dequantized
+// W's rows are read as stored: GGUF blocks of 32 weights (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1: an f16
+// scale, an f16 minimum for Q4_1 and Q5_1, Q5's 32 fifth bits, then 16 bytes of nibble pairs or 32
+// int8) or int8 rows with one f32 scale per row, or plain f32 rows (a float model's matrix, transposed). Each 32-weight block is dequantized
 // into two 16-float vectors in registers (weights 0-15 and 16-31) and multiplied with the same 32
 // inputs of up to kTokens tokens at once, so a weight read from memory serves several tokens; for
 // more tokens a row is dequantized once into an f32 copy in L1 that every group of tokens reads.
@@ -22,7 +22,7 @@
 // The fused multiply-adds are written out; the pragma keeps the compiler from fusing anything else
 // (a dequantizing or summing multiply and add must round as the reference rounds them). The one
 // other fused multiply-add written out is in dequantizing, where q * d is exact in f32 (an 11-bit
-// f16 scale times a small integer), so fusing changes no bit (the .inc file says more). Each
+// f16 scale times an integer of at most 5 bits), so fusing changes no bit (the .inc file says more). Each
 // variant's 16-float vector (one AVX-512 register, two AVX2 ones, GCC's generic vector on the
 // baseline, whose fma is libm's) does the same lane arithmetic, so every variant gives the same bits.
 
@@ -59,14 +59,16 @@ using vsb = int8_t __attribute__((vector_size(kLanes)));
 
 // Numbered as FORMATS in pallas_kernels/quantized_matmul.py. kF32 is not quantized: a float model's
 // matrix as f32 rows [out, in] (its kernel transposed), read as they are.
-enum class Format : int { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kInt8 = 3, kF32 = 4 };
-constexpr int kNumFormats = 5;
+enum class Format : int { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kInt8 = 3, kF32 = 4, kQ5_0 = 5, kQ5_1 = 6 };
+constexpr int kNumFormats = 7;
 
 constexpr int64_t block_bytes(Format f) {
   switch (f) {
     case Format::kQ4_0: return 18;
     case Format::kQ4_1: return 20;
     case Format::kQ8_0: return 34;
+    case Format::kQ5_0: return 22;
+    case Format::kQ5_1: return 24;
     case Format::kInt8: return kBlock;
     default: return 4 * kBlock;
   }
@@ -129,6 +131,8 @@ ItemFn pick(Format f) {
     case Format::kQ4_0: return pick_isa<Format::kQ4_0>();
     case Format::kQ4_1: return pick_isa<Format::kQ4_1>();
     case Format::kQ8_0: return pick_isa<Format::kQ8_0>();
+    case Format::kQ5_0: return pick_isa<Format::kQ5_0>();
+    case Format::kQ5_1: return pick_isa<Format::kQ5_1>();
     case Format::kInt8: return pick_isa<Format::kInt8>();
     default: return pick_isa<Format::kF32>();
   }

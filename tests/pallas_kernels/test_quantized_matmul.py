@@ -5,8 +5,8 @@ CPU has, forced one by one, against the numpy reference on ragged shapes.
 order (block dequantization as gguf does it, 16 lane sums of fused multiply-adds over the blocks, a
 halving tree over the lanes), so any reordering, unfused or extra fused operation or wrong nibble
 shows as a difference. XLA's
-dequantize-then-dot (the GPU path, and on CPU the formats the native kernel does not know: Q5_0,
-Q5_1 and the K-quants) sums in its own order: it is held to a rounding bound instead."""
+dequantize-then-dot (the GPU path, and on CPU the formats the native kernel does not know: Q4_K, Q5_K
+and Q6_K) sums in its own order: it is held to a rounding bound instead."""
 
 import gguf
 import jax
