@@ -1,4 +1,4 @@
-"""The `orca-jax` command line: serve, generate, pull, convert."""
+"""The `orca-jax` command line: serve, generate, pull, convert, plan, tune, bench."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from orca_jax.config import DEFAULT_MODEL
 from orca_jax.engine_args import add_engine_flags, config_from_flags
 from orca_jax.parallel.multihost import DistributedConfig, run_process
 from orca_jax.parallel.plan_cli import add_plan_arguments, plan_command
+from orca_jax.tuning.tune import add_tune_arguments
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     plan = commands.add_parser("plan", help="check that a model fits a tp x pp layout; per-device memory and KV pages")
     add_plan_arguments(plan)
 
+    tune = commands.add_parser("tune", help="choose serving settings for a latency target (measured cost model, "
+                                            "simulated search, one verifying run)")
+    add_tune_arguments(tune)
+
     bench = commands.add_parser("bench", help="run a benchmark of bench/ (pass its own flags after the name)")
     bench.add_argument("name", choices=BENCHMARKS, help="scheduling (offline, every policy), serving (load "
                        "generator against servers), throughput, attention, parallel (tp x pp layouts), grammar "
@@ -76,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args.name, args.bench_args)
     if args.command == "plan":
         return plan_command(args)
+    if args.command == "tune":
+        from orca_jax.tuning.tune import tune_command
+
+        return tune_command(args)
     if args.command == "serve":
         from orca_jax.checkpoint.store import CheckpointError
 

@@ -145,6 +145,12 @@ class AsyncLLMEngine:
         return self.engine.config.scheduler.max_num_seqs
 
     @property
+    def first_runs_left(self) -> int:
+        """Programs whose slow first run is still to come (the engine thread runs them while idle):
+        a load test waits for 0 so that no measured request meets one."""
+        return self._first_runs_left
+
+    @property
     def structured_outputs(self) -> StructuredOutputsConfig:
         """The defaults of constrained requests (a forced tool call's grammar is built from them)."""
         return self.engine.config.structured_outputs

@@ -49,7 +49,7 @@ async def health(request: web.Request) -> web.Response:
     if state.engine is None:
         return web.json_response({"status": "warming up"}, status=503,
                                  headers={"Retry-After": str(state.settings.retry_after_s)})
-    return web.json_response({"status": "ok"})
+    return web.json_response({"status": "ok", "first_runs_left": state.engine.first_runs_left})
 
 
 async def metrics(request: web.Request) -> web.Response:

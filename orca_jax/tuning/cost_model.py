@@ -33,6 +33,16 @@ DECODE_TERMS = ("intercept_s", "per_seq_s", "per_1k_attended_s")
 PREFILL_TERMS = ("intercept_s", "per_token_s", "per_seq_s", "per_1k_attended_s")
 
 
+def _lookup(buckets: tuple[int, ...]) -> list[int]:
+    """bucket[n]: the smallest bucket holding n, for n up to the largest (Buckets.pick, as a table)."""
+    table, i = [buckets[0]], 0
+    for n in range(1, buckets[-1] + 1):
+        while buckets[i] < n:
+            i += 1
+        table.append(buckets[i])
+    return table
+
+
 def attended(chunks) -> int:
     """Positions the step's tokens attend to: chunk (start, n) reads n * start + n (n + 1) / 2."""
     return sum(n * start + n * (n + 1) // 2 for start, n in chunks)
@@ -65,13 +75,27 @@ class CostModel:
         return sum(coefficients[t] * x for t, x in zip(terms, row))
 
     def pricer(self, max_num_seqs: int, max_num_batched_tokens: int) -> Callable[[SimStep], float]:
-        """Seconds of a simulated step under these limits (the runner's default buckets for them)."""
+        """Seconds of a simulated step under these limits (the runner's default buckets for them):
+        `device_seconds` plus the host's share, inlined, as the search calls it for every step."""
         buckets = Buckets.for_limits(max_num_batched_tokens, max_num_seqs)
+        token_bucket, seq_bucket = _lookup(buckets.tokens), _lookup(buckets.seqs)
+        d, p = self.decode, self.prefill
+        decode = (self.host_s_per_step + d["intercept_s"], d["per_seq_s"], d["per_1k_attended_s"] / 1000)
+        prefill = (self.host_s_per_step + p["intercept_s"], p["per_token_s"], p["per_seq_s"],
+                   p["per_1k_attended_s"] / 1000)
 
         def step_seconds(step: SimStep) -> float:
-            t, s = buckets.pick(step.padded_num_tokens, step.padded_num_seqs)
-            chunks = step.chunks + ((0, 1),) * step.num_padding_seqs  # static's padding rows: a token each
-            return self.host_s_per_step + self.device_seconds(chunks, t, s)
+            tokens, work, only_decodes = 0, 0, True
+            for start, n in step.chunks:
+                tokens += n
+                work += n * start + n * (n + 1) // 2
+                only_decodes = only_decodes and n == 1
+            padding = step.num_padding_seqs  # static's finished members: a row and a token each
+            t, s = token_bucket[tokens + padding], seq_bucket[len(step.chunks) + padding]
+            work += padding
+            if only_decodes:
+                return decode[0] + decode[1] * s + decode[2] * work
+            return prefill[0] + prefill[1] * t + prefill[2] * s + prefill[3] * work
         return step_seconds
 
     def to_json(self) -> dict:
