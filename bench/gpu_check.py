@@ -44,10 +44,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere, nothing installed but jax & co
 
 from orca_jax.checkpoint.dummy import DummyWeights  # noqa: E402
-from orca_jax.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,  # noqa: E402
+from orca_jax.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,  # noqa: E402
                              matmul_precision_for)
 from orca_jax.engine.engine import LLMEngine  # noqa: E402
 from orca_jax.engine.step_plan import Buckets  # noqa: E402
+from orca_jax.engine_args import config_from_keywords  # noqa: E402
 from orca_jax.model.decoder import abstract_decoder  # noqa: E402
 from orca_jax.model.paged_attention import ragged_paged_attention_xla  # noqa: E402
 from orca_jax.runner.model_runner import ModelRunner  # noqa: E402
@@ -187,10 +188,10 @@ def run_engine(sizes: Sizes, device, bandwidth: float, attention_impl: str, rows
     pages_per_seq = -(-(sizes.prompt_tokens + sizes.new_tokens) // page_size)
     tokens = tuple(sorted({*sizes.batch_sizes, sizes.prefill_budget}))  # decode steps run at T = B
     # The weights are made on the device, one parameter at a time (as `--load-format dummy`).
-    runner = ModelRunner(abstract_decoder(config), num_pages=largest * pages_per_seq + 8, page_size=page_size,
+    settings = config_from_keywords(page_size=page_size, attention_impl=attention_impl)
+    runner = ModelRunner(abstract_decoder(config), settings, num_pages=largest * pages_per_seq + 8,
                          max_model_len=pages_per_seq * page_size,
-                         buckets=Buckets(tokens=tokens, seqs=tuple(sorted(sizes.batch_sizes))),
-                         attention_impl=attention_impl, parallel=ParallelConfig(), devices=[device],
+                         buckets=Buckets(tokens=tokens, seqs=tuple(sorted(sizes.batch_sizes))), devices=[device],
                          weights=DummyWeights(seed=0))
     warm_s = runner.warm_up(show_progress=False)
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(runner.stages[0].params))

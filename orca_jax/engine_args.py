@@ -142,9 +142,9 @@ def json_object_arg(text: str) -> dict:
 # LLM(...)
 
 
-def config_from_keywords(keywords: dict[str, Any]) -> EngineConfig:
-    """The EngineConfig of `LLM(model, **keywords)`; an unknown keyword is a TypeError naming it and
-    its close matches."""
+def config_from_keywords(**keywords) -> EngineConfig:
+    """The EngineConfig of `LLM(model, **keywords)` (the defaults for what is not given; the tests
+    build runners' settings with it too); an unknown keyword is a TypeError naming its close matches."""
     check_keywords(keywords)
     values = {BY_KEYWORD[k]: v for k, v in keywords.items()}
     if "model" in keywords:

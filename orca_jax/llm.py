@@ -51,7 +51,7 @@ class LLM:
             if given:
                 raise ValueError(f"LLM(config=...) takes the engine settings from the config; {given} would be "
                                  "ignored: set them in the EngineConfig instead")
-        self.config = config or config_from_keywords({"model": model, **engine_args})
+        self.config = config or config_from_keywords(model=model, **engine_args)
         options = BuildOptions(token_buckets=token_buckets, seq_buckets=seq_buckets, show_progress=show_progress)
         self.engine = build_engine(self.config, options, distributed=distributed)
         self.runner = self.engine.runner

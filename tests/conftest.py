@@ -135,33 +135,32 @@ def spec_buckets(buckets, proposer):
 
 
 def warm_tiny_runner(tiny_trained, attention_impl, tp=1, pp=1, proposer=None, num_pages=160):
-    from orca_jax.config import ParallelConfig
+    from orca_jax.engine_args import config_from_keywords
     from orca_jax.runner.model_runner import ModelRunner
     from orca_jax.engine.step_plan import Buckets
 
     buckets = Buckets(tokens=(16, 64), seqs=(4, 8))
-    runner = ModelRunner(tiny_trained.model, num_pages=num_pages, page_size=4, max_model_len=128,
-                         buckets=spec_buckets(buckets, proposer),
-                         attention_impl=attention_impl,
-                         parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp), proposer=proposer)
+    settings = config_from_keywords(page_size=4, attention_impl=attention_impl, tensor_parallel_size=tp,
+                                    pipeline_parallel_size=pp)
+    runner = ModelRunner(tiny_trained.model, settings, num_pages=num_pages, max_model_len=128,
+                         buckets=spec_buckets(buckets, proposer), proposer=proposer)
     runner.warm_up(show_progress=False)
     return runner
 
 
 def warm_smollm2_runner(smollm2, tp=1, pp=1, kv_cache_dtype="auto", attention_impl="auto", proposer=None,
                         token_buckets=(32, 128)):
-    from orca_jax.config import ParallelConfig
+    from orca_jax.engine_args import config_from_keywords
     from orca_jax.runner.model_runner import ModelRunner
     from orca_jax.engine.step_plan import Buckets
 
     # "auto": what users get (the native kernel on CPU when it builds), so the reference and
     # batch-invariance tests on the real model cover it, alone and per shard under tp.
     buckets = Buckets(tokens=token_buckets, seqs=(8,))
-    runner = ModelRunner(smollm2.model, num_pages=96, page_size=16, max_model_len=2048,
-                         buckets=spec_buckets(buckets, proposer),
-                         attention_impl=attention_impl,
-                         parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-                         kv_cache_dtype=kv_cache_dtype, proposer=proposer)
+    settings = config_from_keywords(page_size=16, attention_impl=attention_impl, tensor_parallel_size=tp,
+                                    pipeline_parallel_size=pp, kv_cache_dtype=kv_cache_dtype)
+    runner = ModelRunner(smollm2.model, settings, num_pages=96, max_model_len=2048,
+                         buckets=spec_buckets(buckets, proposer), proposer=proposer)
     runner.warm_up(show_progress=False)
     return runner
 
@@ -253,8 +252,8 @@ def smollm2_self_draft_runner(smollm2):
 
 @pytest.fixture(scope="session")
 def tiny_pallas_runner(tiny_trained):
-    """The same runner with the Pallas kernel, run in interpret mode (CPU)."""
-    return warm_tiny_runner(tiny_trained, "pallas-interpret")
+    """The same runner with the Pallas kernel, run in interpret mode (what "pallas" is on CPU)."""
+    return warm_tiny_runner(tiny_trained, "pallas")
 
 
 @pytest.fixture(scope="session")

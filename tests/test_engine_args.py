@@ -122,7 +122,7 @@ def test_the_flags_keywords_and_toml_keys_are_exactly_the_declared_settings():
     flags = {option: action.dest for action in group._group_actions for option in action.option_strings
              if not option.startswith("--no-")}
     assert flags == {"--config": "config", **{s.flag: s.name for s in SETTINGS}}
-    # LLM's keywords, as help() and IDE tooltips show them, and as it accepts them.
+    # LLM's keywords, as help(LLM) and inspect show them (each with its declared default).
     keywords = set(inspect.signature(LLM).parameters) - LLM_BUILD_KEYWORDS
     assert keywords == {s.keyword for s in SETTINGS} - {"model"}
     for name, parameter in inspect.signature(LLM).parameters.items():
@@ -130,9 +130,11 @@ def test_the_flags_keywords_and_toml_keys_are_exactly_the_declared_settings():
             assert parameter.default == next(s.default for s in SETTINGS if s.keyword == name)
     # The TOML keys: every field of EngineConfig and of its plain sections (the tables that are no
     # setting themselves) is a setting.
-    plain_sections = {f.name for f in dataclasses.fields(EngineConfig)} - {s.name for s in SETTINGS if s.section is None}
-    toml_keys = {f.name for f in dataclasses.fields(EngineConfig) if f.name not in plain_sections} | {
-        f"{section}.{f.name}" for section in plain_sections for f in dataclasses.fields(getattr(EngineConfig(), section))}
+    top = {f.name for f in dataclasses.fields(EngineConfig)}
+    plain_sections = top - {s.name for s in SETTINGS if s.section is None}
+    toml_keys = top - plain_sections
+    for section in plain_sections:
+        toml_keys |= {f"{section}.{f.name}" for f in dataclasses.fields(getattr(EngineConfig(), section))}
     assert toml_keys == {s.toml_key for s in SETTINGS}
 
 
@@ -177,4 +179,4 @@ def test_a_whole_section_keyword_takes_its_dataclass_or_a_dict_checked_as_its_ta
     off = llm_config(structured_outputs_config=StructuredOutputsConfig(disable_additional_properties=False))
     assert not off.structured_outputs.disable_additional_properties
     with pytest.raises(ValueError, match=r"speculative_config: unknown key\(s\) \['nope'\]"):
-        config_from_keywords({"speculative_config": {"nope": 1}})
+        config_from_keywords(speculative_config={"nope": 1})

@@ -99,13 +99,10 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
     num_pages = plan.num_pages
     if isinstance(proposer, DraftModelProposer):
         num_pages = pages_beside_draft(plan, proposer, config, max_model_len)
-    runner = ModelRunner(loaded.model, num_pages=num_pages, page_size=config.cache.page_size,
-                         max_model_len=max_model_len, buckets=bucket_set(config, options),
-                         attention_impl=config.attention_impl, parallel=config.parallel, devices=devices,
+    runner = ModelRunner(loaded.model, config, num_pages=num_pages, max_model_len=max_model_len,
+                         buckets=bucket_set(config, options), devices=devices,
                          step_timeout=None if distributed is None else distributed.step_timeout,
-                         kv_cache_dtype=config.cache.kv_cache_dtype, matmul_precision=config.matmul_precision,
-                         proposer=proposer, weights=weights, quantization=config.quantization,
-                         matmul_impl=config.matmul_impl)
+                         proposer=proposer, weights=weights)
     if options.show_progress:
         print(f"orca_jax: {model_config.name}, policy {config.scheduler.policy}, {runner.describe()}\n"
               f"{plan.one_line()}", file=sys.stderr)

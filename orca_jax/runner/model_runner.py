@@ -49,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Int
 from tqdm.auto import tqdm
 
-from orca_jax.config import ConfigError, ParallelConfig, kv_page_dtype, matmul_precision_for
+from orca_jax.config import ConfigError, EngineConfig, kv_page_dtype, matmul_precision_for
 from orca_jax.runner.compile_cache import ExecutableStore, enable_compilation_cache
 from orca_jax.runner.packing import pack
 from orca_jax.engine.step_plan import Buckets, KVLayout, RunnerLost, StepPlan, StepTokens, padding_plan, step_tokens
@@ -149,40 +149,36 @@ class ModelRunner:
     def __init__(
         self,
         model: Decoder,
+        settings: EngineConfig,
         *,
         num_pages: int,
-        page_size: int,
         max_model_len: int,
         buckets: Buckets,
-        attention_impl: str,
-        parallel: ParallelConfig,
         devices: list | None = None,
         step_timeout: float | None = None,
         executable_store: ExecutableStore | None = None,
-        kv_cache_dtype: str = "auto",
-        matmul_precision: str = "auto",
         proposer: NgramProposer | DraftModelProposer | None = None,
         weights=None,
-        quantization: str = "none",
-        matmul_impl: str = "auto",
     ):
-        """`attention_impl`: "auto", "native", "xla", "pallas" or "pallas-interpret", resolved here
-        for the devices' platform. `devices` (default: all of jax.devices(), every process's) are split
-        into pp x tp. `step_timeout`: seconds to wait for a step's result from other processes
-        before raising RunnerLost (multi-host only; warm-up allows ten times as long). Compiled
-        programs are kept in `executable_store` (default: under $ORCA_JAX_COMPILATION_CACHE). KV pages
-        are kept in `kv_cache_dtype` ("auto": the model's dtype). Every program is traced with
-        `matmul_precision` (config.matmul_precision_for: "auto" is full precision for float32 models).
+        """`settings`: the engine settings the runner reads: the KV pages' size and dtype (`cache`;
+        "auto": the model's dtype), the layout (`parallel`: `devices`, default all of jax.devices(),
+        every process's, are split into pp x tp), `attention_impl` and `matmul_impl` (resolved here
+        for the devices' platform; "native" turns each stage's float matrices into rows for the native
+        kernel once they are on their devices), `matmul_precision` (config.matmul_precision_for:
+        "auto" is full precision for float32 models) and `quantization` (how the model's matrices were
+        quantized: it already holds them so; for the layout settings and the start-up line). The
+        builder makes the rest from them: `num_pages`, `max_model_len` and `buckets`.
+        `step_timeout`: seconds to wait for a step's result from other processes before raising
+        RunnerLost (multi-host only; warm-up allows ten times as long). Compiled programs are kept in
+        `executable_store` (default: under $ORCA_JAX_COMPILATION_CACHE).
         `proposer`: speculative decoding's n-gram drafts (speculation.py) or draft model (draft_model.py,
         run on the last stage's devices); `buckets` then need logit-row buckets (`with_draft_rows`).
         `weights` (a CheckpointWeights or DummyWeights): the model is abstract (shapes only) and each
         stage's parameters come from it, straight into their shardings; None: the model's own arrays
-        are placed. `quantization`: how the model's matrices were quantized
-        (config.QUANTIZATION_CHOICES; the model already holds them so), for the layout settings and
-        the start-up line. `matmul_impl` (config.MatmulImpl), resolved here: "native" turns each stage's
-        float matrices into rows for the native kernel once they are on their devices."""
+        are placed."""
         enable_compilation_cache()
         config = model.config
+        parallel, page_size = settings.parallel, settings.cache.page_size
         check_parallel(config, parallel)
         meshes = stage_meshes(parallel, devices)
         self.config = config
@@ -194,15 +190,16 @@ class ModelRunner:
                               f"{buckets.seqs[-1] * (1 + num_drafts)}; build them with Buckets.with_draft_rows")
         self.kv_layout = KVLayout(num_pages, page_size, -(-max_model_len // page_size), buckets.seqs[-1], num_drafts)
         self.executable_store = executable_store or ExecutableStore.default()
-        self.kv_dtype = jnp.dtype(kv_page_dtype(kv_cache_dtype, config.dtype))
-        self.matmul_precision = matmul_precision_for(matmul_precision, config.dtype)
+        self.kv_dtype = jnp.dtype(kv_page_dtype(settings.cache.kv_cache_dtype, config.dtype))
+        self.matmul_precision = matmul_precision_for(settings.matmul_precision, config.dtype)
         self.weights = weights
-        self.quantization = quantization
+        self.quantization = settings.quantization
         self.buckets = buckets
         self.max_in_flight = parallel.pipeline_parallel_size
         platform = meshes[0].devices.flat[0].platform
-        backends = Backends.resolve(platform, attention_impl=attention_impl, matmul_impl=matmul_impl,
-                                    dtype=config.dtype, tensor_parallel_size=parallel.tensor_parallel_size)
+        backends = Backends.resolve(platform, attention_impl=settings.attention_impl,
+                                    matmul_impl=settings.matmul_impl, dtype=config.dtype,
+                                    tensor_parallel_size=parallel.tensor_parallel_size)
         self.attention_impl, self.matmul_impl = backends.attention, backends.matmul
         if platform == "cpu" and self.kv_dtype == jnp.bfloat16 and self.attention_impl != "native":
             log.warning("bfloat16 KV pages with the %s attention on CPU slow every step: XLA:CPU writes new K/V "

@@ -38,14 +38,13 @@ def family_model(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def family_runner(family_model):
-    from orca_jax.config import ParallelConfig
     from orca_jax.engine.step_plan import Buckets
+    from orca_jax.engine_args import config_from_keywords
     from orca_jax.runner.model_runner import ModelRunner
 
     _, loaded = family_model
-    runner = ModelRunner(loaded.model, num_pages=64, page_size=16, max_model_len=128,
-                         buckets=Buckets(tokens=(16, 64), seqs=(4,)), attention_impl="auto",
-                         parallel=ParallelConfig())
+    runner = ModelRunner(loaded.model, config_from_keywords(page_size=16), num_pages=64, max_model_len=128,
+                         buckets=Buckets(tokens=(16, 64), seqs=(4,)))
     runner.warm_up(show_progress=False)
     return runner
 
@@ -118,14 +117,14 @@ def test_windows_a_family_turns_off_or_has_are_accepted(tmp_path, family, change
 def test_tensor_and_pipeline_parallel_give_transformers_tokens(tmp_path, family, tp, pp):
     """Biases sharded with their heads (qwen2 at tp 2); sliding and global layers on different
     pipeline stages (gemma3: 3 layers over 2 stages)."""
-    from orca_jax.config import ParallelConfig
     from orca_jax.engine.step_plan import Buckets
+    from orca_jax.engine_args import config_from_keywords
     from orca_jax.runner.model_runner import ModelRunner
 
     loaded = load_model(convert(FIXTURES / family, f"hf-{family}", tmp_path / "checkpoint"))
-    runner = ModelRunner(loaded.model, num_pages=64, page_size=16, max_model_len=128,
-                         buckets=Buckets(tokens=(64,), seqs=(4,)), attention_impl="auto",
-                         parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+    settings = config_from_keywords(page_size=16, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    runner = ModelRunner(loaded.model, settings, num_pages=64, max_model_len=128,
+                         buckets=Buckets(tokens=(64,), seqs=(4,)))
     runner.warm_up(show_progress=False)
     cases = reference(family)
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)

@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 from orca_jax.checkpoint.dummy import DummyWeights
-from orca_jax.config import REPO_ROOT, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, load_model_preset
+from orca_jax.config import REPO_ROOT, CacheConfig, EngineConfig, SchedulerConfig, load_model_preset
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.engine.step_plan import Buckets
+from orca_jax.engine_args import config_from_keywords
 from orca_jax.model.decoder import abstract_decoder
 from orca_jax.runner.model_runner import ModelRunner
 from orca_jax.sampling_params import SamplingParams
@@ -65,9 +66,8 @@ def gpu_runner(loaded, tp=1, buckets=Buckets(tokens=(32, 128), seqs=(8,)), max_m
     devices = gpu_devices()
     if len(devices) < tp:
         pytest.skip(f"tp={tp} needs {tp} GPUs, this machine has {len(devices)}")
-    runner = ModelRunner(loaded.model, num_pages=96, page_size=16, max_model_len=max_model_len, buckets=buckets,
-                         attention_impl="auto", parallel=ParallelConfig(tensor_parallel_size=tp),
-                         devices=devices[:tp])
+    runner = ModelRunner(loaded.model, config_from_keywords(page_size=16, tensor_parallel_size=tp), num_pages=96,
+                         max_model_len=max_model_len, buckets=buckets, devices=devices[:tp])
     runner.warm_up(show_progress=False)
     return runner
 
@@ -90,9 +90,9 @@ def test_llama3_8b_shaped_random_model_batched_equals_solo_in_float32():
     token leads by far more than rounding), float32 at matmul precision "highest": each request's
     greedy tokens batched are its solo tokens, logprobs within FLOAT32_MAX_DRIFT."""
     config = dataclasses.replace(load_model_preset("llama-3-8b"), n_layers=2, dtype="float32")
-    runner = ModelRunner(abstract_decoder(config), num_pages=64, page_size=16, max_model_len=256,
-                         buckets=Buckets(tokens=(16, 128), seqs=(8,)), attention_impl="auto",
-                         parallel=ParallelConfig(), devices=gpu_devices()[:1], weights=DummyWeights(seed=0))
+    runner = ModelRunner(abstract_decoder(config), config_from_keywords(page_size=16), num_pages=64, max_model_len=256,
+                         buckets=Buckets(tokens=(16, 128), seqs=(8,)), devices=gpu_devices()[:1],
+                         weights=DummyWeights(seed=0))
     runner.warm_up(show_progress=False)
     assert runner.attention_impl == "pallas" and runner.matmul_precision == "highest"
     rng = np.random.default_rng(0)

@@ -8,8 +8,9 @@ from flax import nnx
 
 from orca_jax.checkpoint.dummy import DummyWeights
 from orca_jax.checkpoint.store import stage_parameter_name
-from orca_jax.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, load_model_preset
+from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig, load_model_preset
 from orca_jax.engine.step_plan import Buckets
+from orca_jax.engine_args import config_from_keywords
 from orca_jax.model.decoder import abstract_decoder
 from orca_jax.runner.builder import BuildOptions, build_engine
 from orca_jax.runner.model_runner import ModelRunner
@@ -24,10 +25,10 @@ PROMPTS = [[64, 3, 9, 27], [5], [64, 10, 11, 12, 13, 14, 15], [40, 2]]
 def dummy_runner(tp=1, pp=1, seed=0):
     # XLA's dot in every layout: the native matmuls' transposed rows (tp 1 only) would hold the same
     # weights in another shape, and the layouts are compared array for array.
-    runner = ModelRunner(abstract_decoder(TINY), num_pages=64, page_size=4, max_model_len=128,
-                         buckets=Buckets(tokens=(16,), seqs=(4,)), attention_impl="xla",
-                         parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-                         weights=DummyWeights(seed), matmul_impl="xla")
+    settings = config_from_keywords(page_size=4, attention_impl="xla", tensor_parallel_size=tp,
+                                    pipeline_parallel_size=pp, matmul_impl="xla")
+    runner = ModelRunner(abstract_decoder(TINY), settings, num_pages=64, max_model_len=128,
+                         buckets=Buckets(tokens=(16,), seqs=(4,)), weights=DummyWeights(seed))
     runner.warm_up(show_progress=False)
     return runner
 

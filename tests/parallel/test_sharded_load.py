@@ -6,8 +6,8 @@ import jax
 import numpy as np
 
 from orca_jax.checkpoint.store import CheckpointWeights, open_model
-from orca_jax.config import ParallelConfig
 from orca_jax.engine.step_plan import Buckets
+from orca_jax.engine_args import config_from_keywords
 from orca_jax.runner.model_runner import ModelRunner
 
 from ..conftest import SMOLLM2
@@ -26,9 +26,9 @@ def test_loading_at_tp3_gives_each_device_only_its_shards(smollm2, monkeypatch):
     real_put = jax.device_put
     monkeypatch.setattr(jax, "device_put", spy_put)
     weights = CheckpointWeights(opened.path)
-    runner = ModelRunner(opened.model, num_pages=8, page_size=16, max_model_len=64,
-                         buckets=Buckets(tokens=(8,), seqs=(2,)), attention_impl="xla",
-                         parallel=ParallelConfig(tensor_parallel_size=3), weights=weights)
+    settings = config_from_keywords(page_size=16, attention_impl="xla", tensor_parallel_size=3)
+    runner = ModelRunner(opened.model, settings, num_pages=8, max_model_len=64,
+                         buckets=Buckets(tokens=(8,), seqs=(2,)), weights=weights)
     monkeypatch.undo()
     stage = runner.stages[0]
     embedding = stage.params["embed"]["embedding"][...]  # [V, D]: 49152 rows, 16384 per device

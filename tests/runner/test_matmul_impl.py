@@ -8,6 +8,7 @@ import pytest
 
 from orca_jax.config import ConfigError, EngineConfig, ParallelConfig
 from orca_jax.engine.step_plan import Buckets, padding_plan
+from orca_jax.engine_args import config_from_keywords
 from orca_jax.model.backends import resolve_matmul_impl
 from orca_jax.runner.model_runner import ModelRunner
 from orca_jax.sampling_params import SamplingParams
@@ -22,8 +23,8 @@ LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=64)
 
 
 def tiny_runner_with(tiny_trained, matmul_impl):
-    runner = ModelRunner(tiny_trained.model, num_pages=64, page_size=4, max_model_len=128, buckets=BUCKETS,
-                         attention_impl="xla", parallel=ParallelConfig(), matmul_impl=matmul_impl)
+    settings = config_from_keywords(page_size=4, attention_impl="xla", matmul_impl=matmul_impl)
+    runner = ModelRunner(tiny_trained.model, settings, num_pages=64, max_model_len=128, buckets=BUCKETS)
     runner.warm_up(show_progress=False)
     return runner
 

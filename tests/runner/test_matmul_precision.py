@@ -8,8 +8,9 @@ import re
 import pytest
 
 from orca_jax.cli import add_engine_args, engine_config
-from orca_jax.config import ConfigError, EngineConfig, ParallelConfig, load_toml, matmul_precision_for
+from orca_jax.config import ConfigError, EngineConfig, load_toml, matmul_precision_for
 from orca_jax.engine.step_plan import Buckets
+from orca_jax.engine_args import config_from_keywords
 from orca_jax.runner.model_runner import ModelRunner
 
 
@@ -25,9 +26,9 @@ class LoweredText:
 
 
 def layer_dots(model, matmul_precision: str) -> list[str]:
-    runner = ModelRunner(model, num_pages=8, page_size=4, max_model_len=32, buckets=Buckets(tokens=(16,), seqs=(4,)),
-                         attention_impl="xla", parallel=ParallelConfig(), executable_store=LoweredText(),
-                         matmul_precision=matmul_precision)
+    settings = config_from_keywords(page_size=4, attention_impl="xla", matmul_precision=matmul_precision)
+    runner = ModelRunner(model, settings, num_pages=8, max_model_len=32, buckets=Buckets(tokens=(16,), seqs=(4,)),
+                         executable_store=LoweredText())
     text = runner._compile(runner.stages[0], "layers", 16)
     assert runner.matmul_precision in runner.executable_store.depends_on  # a stored program keys it
     return re.findall(r"stablehlo\.dot_general.*", text)
