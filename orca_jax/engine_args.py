@@ -48,10 +48,10 @@ def _declared(cls: type, section: str | None) -> list[Setting]:
     hints, found = typing.get_type_hints(cls), []
     for f in dataclasses.fields(cls):
         table_class = _section_class(hints[f.name])
-        if table_class is not None and "description" not in f.metadata:
+        if table_class is not None and not f.metadata:
             found += _declared(table_class, f.name)  # a plain section: each of its fields is a setting
             continue
-        if "description" not in f.metadata:
+        if not f.metadata.get("description"):
             raise TypeError(f"{cls.__name__}.{f.name} is not declared as an engine setting: write it as "
                             "config.setting(default, description, unit=...), so that its flag, LLM keyword and "
                             "TOML key exist together")
