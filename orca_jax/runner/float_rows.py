@@ -24,10 +24,11 @@ from orca_jax.model.relayout import abstract_relayout, array_at, filled, matrice
 _ROWS: dict[tuple[int, object], tuple[weakref.ref, jax.Array]] = {}
 
 
-def float_rows_methods(model: Decoder, rows: FloatRowsLinear = FloatRowsLinear()) -> dict[str, FloatRowsLinear]:
+def float_rows_methods(model: Decoder) -> dict[str, FloatRowsLinear]:
     """The matrices of `model` the native kernel computes, by path: its float Dense matrices whose
     `in` it takes, and the LM head (the embedding when tied)."""
     head = "embed" if model.lm_head is None else "lm_head"
+    rows = FloatRowsLinear()
     return {path: rows for path, module in matrices(model).items()
             if module.method == FloatLinear() and rows.fits(module.rows_shape[1])
             and (isinstance(module, Dense) or path == head)}
