@@ -51,6 +51,13 @@ generate: setup pull
 test: setup pull
 	$(BIN)/python -m pytest -q tests
 
+# The edit loop's subset: the tiny models only (no SmolLM2: `slow`), in this one process (no CLI
+# runs, servers, multi-host jobs: `multiprocess`; markers set by tests/conftest.py). `make test`
+# stays the whole suite.
+.PHONY: test-fast
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow and not multiprocess and not installed and not gpu" tests
+
 # The documentation site (site/): README's headline table in step with bench/results/latest/,
 # `mkdocs build --strict` (a broken link or anchor, a page left out fails it), then every example
 # marked runnable in README.md and docs/ against the tiny model (docs/run_examples.py).

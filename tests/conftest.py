@@ -57,8 +57,16 @@ def gpu_devices() -> list:
 
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need a GPU: without one they are skipped with the reason (reported as not run,
-    never as passed)."""
+    """Markers `make test-fast` selects on, set here so a new test gets them without asking: a test
+    that uses a SmolLM2 fixture is `slow`; a test in a module that imports subprocess or
+    multiprocessing (CLI runs, servers, multi-host jobs, compilers) is `multiprocess`. `gpu` tests
+    need a GPU: without one they are skipped with the reason (reported as not run, never as passed)."""
+    for item in items:
+        if any("smollm2" in name for name in getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+        module = vars(item.module) if getattr(item, "module", None) else {}
+        if "subprocess" in module or "multiprocessing" in module:
+            item.add_marker(pytest.mark.multiprocess)
     if gpu_devices():
         return
     skip = pytest.mark.skip(reason=f"needs a GPU; this machine has only {jax.default_backend()} devices "

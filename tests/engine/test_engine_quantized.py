@@ -9,6 +9,8 @@ import pytest
 from .conftest import FLOAT32_MAX_DRIFT, SMOLLM2_LIMITS, diverging_requests, greedy_with_logprobs, make_engine, run_all
 from .test_engine_smollm2 import POLICIES, requests  # noqa: F401 - the module fixture of SmolLM2 prompts
 
+pytestmark = pytest.mark.slow  # SmolLM2, reached through request.getfixturevalue (conftest cannot see it)
+
 MAX_TOKENS = 8  # of each request's 3..20: enough steps shared in a batch, fewer solo steps
 
 

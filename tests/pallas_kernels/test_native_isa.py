@@ -54,6 +54,7 @@ def test_a_variant_the_cpu_lacks_or_does_not_know_is_refused(restore_isa):
             native.select_isa(name)
 
 
+@pytest.mark.multiprocess
 def test_the_environment_variable_forces_a_variant_for_the_whole_process():
     require_native()
     import os
