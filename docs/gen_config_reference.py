@@ -48,19 +48,29 @@ def cell(text: str) -> str:
     return text.replace("|", "&#124;")
 
 
+def describe(description: str, hint) -> str:
+    """The description, then the choices of a fixed set or the type of a free value."""
+    text = cell(description[:1].upper() + description[1:])
+    kinds = [hint, *typing.get_args(hint)]
+    choices = [typing.get_args(k) for k in kinds if typing.get_origin(k) is typing.Literal]
+    if choices:
+        return f"{text}. One of {', '.join(f'`{c}`' for c in choices[0])}."
+    return f"{text}. Type: {type_text(hint)}."
+
+
 def row(s: Setting) -> str:
-    return (f"| `{s.name}` | {type_text(s.hint)} | {value_text(s.default, s.unit)} | `{s.flag}` | `{s.keyword}` | "
-            f"{cell(s.description)} |")
+    keyword = "" if s.keyword == s.name else f"<br>LLM: `{s.keyword}`"
+    return f"| `{s.name}`{keyword} | `{s.flag}` | {value_text(s.default, s.unit)} | {describe(s.description, s.hint)} |"
 
 
 def table_keys(s: Setting) -> list[str]:
     """The keys of a section given whole (a JSON flag, a dict keyword, a TOML table)."""
     hints = typing.get_type_hints(s.table_class)
-    out = ["| key | type | default | description |", "|---|---|---|---|"]
+    out = ["| key | default | description |", "|---|---|---|"]
     for f in dataclasses.fields(s.table_class):
         meta = f.metadata
-        out.append(f"| `{f.name}` | {type_text(hints[f.name])} | {value_text(f.default, meta.get('unit'))} | "
-                   f"{cell(meta.get('description', ''))} |")
+        out.append(f"| `{f.name}` | {value_text(f.default, meta.get('unit'))} | "
+                   f"{describe(meta.get('description', ''), hints[f.name])} |")
     return out
 
 
@@ -69,17 +79,19 @@ def page() -> str:
            "Every engine setting, generated from its one declaration (`config.setting(...)` in "
            "`orca_jax/config.py`; `orca_jax/engine_args.py` derives the flags and keywords). Each is set in "
            "one of three ways, and a flag given on the command line wins over the file given with `--config`:", "",
-           "- an `orca-jax serve` / `orca-jax generate` flag (column *flag*);",
+           "- an `orca-jax serve` / `orca-jax generate` flag (column *flag*; a true-or-false setting also has "
+           "its `--no-` form);",
            "- a key of an engine TOML file, read with `--config FILE` or `load_toml(EngineConfig, FILE)`: a "
            "section's keys go under its `[table]`, and an unknown key is an error naming the allowed ones;",
-           "- a keyword of `LLM(...)` (column *LLM*); an unknown one is an error naming its close matches.", "",
+           "- a keyword of `LLM(...)`: the setting's name unless the table names another; an unknown one is an "
+           "error naming its close matches.", "",
            "A wrong value is refused when the config is built, with a message naming the setting and the "
            "fix. `configs/engine/default.toml` writes the defaults out. The server's own flags (address, API "
            "key, queue) are on the [Serving](serving.md#server-flags) page.", ""]
     for table, intro in TABLES.items():
         settings = [s for s in SETTINGS if s.section == table]
         out += [f"## {'Top level' if table is None else f'[{table}]'}", "", intro, "",
-                "| setting | type | default | flag | LLM | description |", "|---|---|---|---|---|---|",
+                "| setting | flag | default | description |", "|---|---|---|---|",
                 *(row(s) for s in settings if s.table_class is None), ""]
     for s in SETTINGS:
         if s.table_class is not None:

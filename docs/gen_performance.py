@@ -121,22 +121,25 @@ def scheduling(d: dict) -> list[str]:
     for w in d["workloads"]:
         speed = {p["policy"]: p for p in w["policies"]}
         ratio = w["ratios_vs_static"]["orca"]
-        rows.append([f"{w['kind']}: {w['workload']}", *(f"{speed[p]['tokens_per_s']:.1f}" for p in policies),
+        rows.append([f"`{w['kind']}`", *(f"{speed[p]['tokens_per_s']:.1f}" for p in policies),
                      f"{speed['static']['steps']} / {speed['orca']['steps']} "
                      f"({speed['static']['simulated_steps']} / {speed['orca']['simulated_steps']})",
                      f"{x(ratio['achieved'])} ({ratio['predicted']:.2f}x)"])
+    workloads = "; ".join(f"`{w['kind']}`: {w['workload']}" for w in d["workloads"])
     return table(["workload", *(f"`{p}` tok/s" for p in policies), "steps static / orca (simulated)",
                   "orca / static achieved (predicted)"], rows) + [
-        "", f"All requests at once, up to {d['max_num_seqs']} running, {d['max_num_batched_tokens']} tokens per step."]
+        "", f"All requests at once, up to {d['max_num_seqs']} running, {d['max_num_batched_tokens']} tokens per "
+            f"step. Workloads: {workloads}."]
 
 
 def serving(d: dict) -> list[str]:
     rates = [r["rate"] for r in next(iter(d["policies"].values()))["rates"]]
     rows = [[f"`{name}`", f"{p['capacity']:g} req/s",
-             *(f"{r['normalized_s_per_token_p99']:.2f}" for r in p["rates"]),
+             " / ".join(f"{r['normalized_s_per_token_p99']:.2f}" for r in p["rates"]),
              f"{p['rates'][-1]['output_throughput']:.1f}"] for name, p in d["policies"].items()]
     return table(["policy", f"capacity (p99 under {d['latency_target_s_per_token']} s/token)",
-                  *(f"p99 s/token at {r:g} req/s" for r in rates), f"tok/s at {rates[-1]:g} req/s"], rows) + [
+                  f"p99 s/token at {' / '.join(f'{r:g}' for r in rates)} req/s", f"tok/s at {rates[-1]:g} req/s"],
+                 rows) + [
         "", f"{d['num_requests']} requests of the `{d['workload']}` workload at each Poisson rate, "
             f"{d['max_num_seqs']} running, {d['max_num_batched_tokens']} tokens per step."]
 
@@ -257,7 +260,7 @@ def page() -> str:
             continue
         out += [f"## {title}", "", intro, ""]
         for d in runs[name]:
-            out += [f"### {title}: {d['machine']['cpu']}", "", machine_line(d), "", *make(d), ""]
+            out += [f"### {d['machine']['cpu']}", "", machine_line(d), "", *make(d), ""]
     return "\n".join(out)
 
 
