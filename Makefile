@@ -28,7 +28,7 @@ $(CHECKPOINT): | $(INSTALLED)
 # The main job: the OpenAI-compatible server on the default model, http://127.0.0.1:8000 (Ctrl-C
 # drains and stops it). HOST/PORT override the address. It serves the model's own Q4_1 blocks
 # (`gguf`: 2.1-2.5x float32's speed for one request, level or ahead under load, 5.5x less memory;
-# README, Quantization); QUANTIZATION=none serves float32, the fidelity reference.
+# docs/quantization.md); QUANTIZATION=none serves float32, the fidelity reference.
 HOST ?= 127.0.0.1
 PORT ?= 8000
 QUANTIZATION ?= gguf

@@ -182,7 +182,7 @@ def main() -> None:
                         help="ngram's shortest n-gram that counts as a match")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--matmul-impl", choices=MATMUL_IMPL_CHOICES, default="auto",
-                        help="the float matrices' matmuls, for every engine (README, matmul_impl)")
+                        help="the float matrices' matmuls, for every engine (docs/quantization.md, matmul_impl)")
     args = parser.parse_args()
     names = ["off"] + [m for m in args.modes.split(",") if m and m != "off"]
     specs = modes(args.draft_model or args.model, names, args.num_speculative_tokens, args.prompt_lookup_min)

@@ -9,7 +9,7 @@ for the model. The engine builds it, once per step, from the scheduler's output:
     scheduler ──SchedulerOutput──> engine ──build_step_plan──> StepPlan ──runner.dispatch──> device
     engine    <──{request id: StepTokens}── runner.collect <── the step's one small result
 
-Speculative decoding (README, "Speculative decoding"): a decoding request with k draft tokens
+Speculative decoding (docs/speculative-decoding.md): a decoding request with k draft tokens
 computes 1 + k tokens, and each of them gets a logit row, so a plan has one logit row per sequence
 plus one per draft: the sampler's arrays are [R] rows (R = S without drafts). A row's token is
 what the target samples there; the drafts the target agrees with, in order, are accepted

@@ -51,7 +51,7 @@ def resolve_attention_impl(requested: str, platform: str) -> str:
 
     auto: the Pallas kernel on GPU; on CPU the native kernel when it builds and loads, else the XLA
     implementation (one warning says why), since Pallas only interprets there, far slower (see
-    README, "Attention implementations").
+    docs/kernels.md).
     pallas: compiled on GPU; in interpret mode elsewhere (correct, slow).
     native: the C++ CPU kernel; an error, saying why, when it cannot be built or on another platform.
     xla, pallas-interpret: as named.

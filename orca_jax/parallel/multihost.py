@@ -18,7 +18,7 @@ How the processes meet:
    leader encodes the StepPlan (arrays and integers, parallel/plan_codec.py; nothing is pickled)
    under the key of its step number for each follower (`PlanSender`), and runs it. Why the store and
    not a broadcast over the device collectives: it measured 2.8 ms per step against 5.0 ms
-   (bench/bench_plan_channel.py, README "Scaling out"), and a collective would make the leader wait
+   (bench/bench_plan_channel.py, docs/performance.md), and a collective would make the leader wait
    for a stalled follower inside gloo, where no step timeout reaches.
 4. A follower (`runner/follower.py`) takes each plan from the store (`PlanReceiver`) and runs it:
    its own stages, and its side of every cross-process `jax.device_put` (activations from the
@@ -99,7 +99,7 @@ def initialize(dist: DistributedConfig) -> None:
         transfer_port = free.getsockname()[1]
     jax.config.update("jax_cross_host_transfer_socket_address", f"{local_ip}:{transfer_port}")
     # The ports to keep on a private network: jax's transfer server aborts the process on a
-    # malformed message (README, Scaling out), so operators need to know where it listens.
+    # malformed message (docs/deployment.md), so operators need to know where it listens.
     print(f"orca_jax: process {dist.process_id} of {dist.num_processes}: cross-process transfers listen at "
           f"{local_ip}:{transfer_port}", file=sys.stderr, flush=True)
     # A dead peer then raises in the waiting call instead of aborting this process: the leader can

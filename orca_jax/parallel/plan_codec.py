@@ -6,7 +6,7 @@ followed by the arrays' raw bytes in that order. The [S, N] tables whose right-h
 mostly padding (block tables beyond the longest sequence's pages, an unused token bitmask or logit
 bias) are sent only up to their last column that differs from the padding value and filled back in
 on decoding: a decode step of SmolLM2's default engine is then a few KB instead of ~340 KB, which
-matters because the coordination service's key-value store costs ~10 us per KB (README, Scaling out). Decoding accepts only the known fields and plain
+matters because the coordination service's key-value store costs ~10 us per KB (bench/results/HISTORY.md, Multi-host plan channel). Decoding accepts only the known fields and plain
 numeric dtypes and checks every length: a message that is not an encoded plan raises ValueError, and
 nothing in it is ever run or imported.
 

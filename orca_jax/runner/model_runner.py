@@ -204,7 +204,7 @@ class ModelRunner:
         if platform == "cpu" and self.kv_dtype == jnp.bfloat16 and self.attention_impl != "native":
             log.warning("bfloat16 KV pages with the %s attention on CPU slow every step: XLA:CPU writes new K/V "
                         "into bfloat16 pages by converting whole page arrays (the native kernel writes them "
-                        "itself; README, Dtypes)", self.attention_impl)
+                        "itself; docs/numerics.md)", self.attention_impl)
 
         num_kv_heads = kv_heads_for_tp(config, parallel.tensor_parallel_size)
         kv_shape = (num_pages + 1, page_size, num_kv_heads, config.head_dim)  # + the scratch page

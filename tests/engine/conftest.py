@@ -48,7 +48,7 @@ def speculating_equals_plain(plain_runner, spec_runner, loaded, policy, requests
     return engine, schedules
 
 
-# What batching guarantees (README, "Batch invariance"). The XLA:CPU matmul sums its products in an
+# What batching guarantees (docs/numerics.md). The XLA:CPU matmul sums its products in an
 # order that depends on how many rows a call has, so a request's numbers differ with the batch it
 # rides in by rounding: float32 logprobs moved by at most 4.3e-5 nats on SmolLM2 (measured), which
 # leaves greedy tokens identical; bfloat16 rounds each activation to 8 bits, which turns the same

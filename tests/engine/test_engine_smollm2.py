@@ -84,7 +84,7 @@ def test_async_scheduling_gives_the_outputs_of_steps_taken_one_at_a_time(smollm2
         assert on.outputs[0].token_ids == off.outputs[0].token_ids
         assert on.outputs[0].finish_reason == off.outputs[0].finish_reason
     # The greedy ones carry logprobs: equal up to batch-composition rounding (steps planned ahead can
-    # group requests differently; float32, README "Batch invariance").
+    # group requests differently; float32, docs/numerics.md).
     assert diverging_requests(results[True][:3], results[False][:3], max_drift=FLOAT32_MAX_DRIFT) == []
     assert any(o.outputs[0].finish_reason == "stop" for o in results[True])
     assert smollm2_runner.num_compilations_after_warmup == 0

@@ -6,7 +6,7 @@ and bench/gpu_check.py run them. The SmolLM2 tests also skip where its checkpoin
 machine lent for a run has no network and takes at most 64 MiB along, and SmolLM2's converted
 checkpoint is 337 MB (its GGUF 98 MB).
 
-What is guaranteed per dtype (README, Dtypes): float32 (matmul precision "highest": no TF32) gives the
+What is guaranteed per dtype (docs/numerics.md): float32 (matmul precision "highest": no TF32) gives the
 reference's greedy tokens and, batched, each request's solo tokens with logprobs within
 FLOAT32_MAX_DRIFT; bfloat16 gives each request's solo path with logprobs within BFLOAT16_MAX_DRIFT,
 parting only at a near-tie."""
