@@ -218,3 +218,10 @@ class GGUFBlockLinear(RowsLinear):
     @property
     def format(self) -> str:
         return GGUF_BLOCK_TYPES[self.block_type]
+
+
+def linear_methods(module: nnx.Module) -> str:
+    """`path: method`, one line per layer that has a linear method: what a compiled program of
+    `module` assumes of its matrices' layouts beyond their arrays' shapes."""
+    return "\n".join(f"{'.'.join(map(str, path))}: {node.method!r}" for path, node in nnx.iter_graph(module)
+                     if isinstance(getattr(node, "method", None), LinearMethod))

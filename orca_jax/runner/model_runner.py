@@ -55,6 +55,7 @@ from orca_jax.runner.packing import pack
 from orca_jax.engine.step_plan import Buckets, KVLayout, RunnerLost, StepPlan, StepTokens, padding_plan, step_tokens
 from orca_jax.model.attention import AttentionMetadata
 from orca_jax.model.decoder import Decoder, DecoderStage
+from orca_jax.model.linear import linear_methods
 from orca_jax.model.backends import Backends
 from orca_jax.model.sampler import SamplerOutput, SamplingMetadata, sample
 from orca_jax.sampling_params import MAX_LOGPROBS
@@ -129,6 +130,9 @@ class Stage:
     # jitted (params, kv_caches, token_pages, x, inputs, fed_tokens) -> (activations [T, D], or from
     # the last stage those of each logit row's token [R_max, D]; kv_caches; token_pages)
     layers_program: Callable | None = None
+    # Each matrix's linear method (model/linear.py), part of every program's cache key: two layouts
+    # can hold arrays of one shape (Q5_0 and Q5_K rows are both 22 bytes per 32 weights)
+    linear_methods: str = ""
     # the last stage's jitted (params, logit-row activations [R_max, D], sampling [R], speculation,
     # token_pages) -> (SamplerOutput, or SpeculativeOutput when speculating; the sampled tokens
     # padded to [R_max], the next fed_tokens)
@@ -303,7 +307,7 @@ class ModelRunner:
                                  out_shardings=(replicated, kv_sharding, None if token_pages is None else replicated))
         head_program = jax.jit(run_head, out_shardings=replicated) if last else None
         return Stage(index, layers, mesh, replicated, first, last, local=True, params=params,
-                     param_leaves=jax.tree.leaves(params),
+                     param_leaves=jax.tree.leaves(params), linear_methods=linear_methods(nnx.merge(graphdef, params)),
                      kv_caches=[(zeros(), zeros()) for _ in layers], token_pages=token_pages, fed_tokens=fed_tokens,
                      layers_program=layers_program, head_program=head_program)
 
@@ -464,7 +468,7 @@ class ModelRunner:
             # The kv_layout fixes where each field sits in the packed inputs (packing.py).
             f"{name}{size}-stage{stage.index}", args,
             repr((self.config, self.attention_impl, self.matmul_precision, self.matmul_impl, self.proposer,
-                  self.kv_layout)),
+                  self.kv_layout, stage.linear_methods)),
             lambda: self.lower(program, args), out_tree, list(stage.mesh.devices.flat))
 
     def lower(self, program, args):
