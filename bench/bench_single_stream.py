@@ -6,6 +6,7 @@ async scheduling on (the default: host work hides behind the device's) or off.
 
     python bench/bench_single_stream.py [--quantization none gguf int8] [--matmul-impl auto native xla]
                                         [--async-scheduling on off] [--max-num-seqs 32] [--runs 3]
+                                        [--model smollm2-135m-instruct]
 
 Prints one line per run and a summary per quantization; saves bench/results/single_stream_new.json
 (or --out): decode tok/s (first token to last), ms per token, the buckets the steps ran in, the bytes
@@ -29,7 +30,7 @@ import numpy as np
 
 import machine
 from orca_jax import LLM, SamplingParams
-from orca_jax.config import MATMUL_IMPL_CHOICES, QUANTIZATION_CHOICES
+from orca_jax.config import DEFAULT_MODEL, MATMUL_IMPL_CHOICES, QUANTIZATION_CHOICES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle. " * 5
@@ -60,9 +61,9 @@ def native_isa() -> str:
     return native.isa() if reason is None else f"unavailable ({reason})"
 
 
-def measure(quantization: str, matmul_impl: str, async_scheduling: bool, max_num_seqs: int, num_runs: int,
-            bandwidth: float) -> dict:
-    llm = LLM(max_num_seqs=max_num_seqs, quantization=quantization, matmul_impl=matmul_impl,
+def measure(model: str, quantization: str, matmul_impl: str, async_scheduling: bool, max_num_seqs: int,
+            num_runs: int, bandwidth: float) -> dict:
+    llm = LLM(model, max_num_seqs=max_num_seqs, quantization=quantization, matmul_impl=matmul_impl,
               async_scheduling=async_scheduling, show_progress=False)
     label = f"{quantization}, matmuls {llm.runner.matmul_impl}, async scheduling {'on' if async_scheduling else 'off'}"
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
@@ -94,6 +95,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "single_stream_new.json")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="a preset name or checkpoint folder (e.g. one `orca-jax convert` made of a Q4_K_M GGUF)")
     args = parser.parse_args()
 
     bandwidth = copy_bandwidth()
@@ -104,11 +107,11 @@ def main() -> None:
             for async_scheduling in args.async_scheduling:
                 name = quantization if matmul_impl == "auto" else f"{quantization}, matmul_impl {matmul_impl}"
                 name += ", async scheduling off" if async_scheduling == "off" else ""
-                modes[name] = measure(quantization, matmul_impl, async_scheduling == "on", args.max_num_seqs,
+                modes[name] = measure(args.model, quantization, matmul_impl, async_scheduling == "on", args.max_num_seqs,
                                       args.runs, bandwidth)
                 gc.collect()  # the previous engine's weights and KV pages go before the next one's
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine.describe(), "cpu": cpu_model(), "native_isa": native_isa(), "max_num_seqs": args.max_num_seqs,
+    args.out.write_text(json.dumps({"machine": machine.describe(), "model": str(args.model), "cpu": cpu_model(), "native_isa": native_isa(), "max_num_seqs": args.max_num_seqs,
                                     "copy_bytes_per_s": bandwidth, "quantization": modes}, indent=1))
     print(f"saved {args.out}")
 
