@@ -58,7 +58,8 @@ from orca_jax import LLM, SamplingParams
 from orca_jax.config import SchedulerConfig
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.runner.model_runner import RunnerStats
-from orca_jax.engine.step_plan import StepPlan, padding_plan
+from orca_jax.engine.step_plan import StepPlan
+from orca_jax.tuning.measure import chunks_plan
 from orca_jax.model.paged_attention import PAGES_PER_BLOCK
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -163,29 +164,10 @@ def run_policy(llm: LLM, variant: str, workload, max_num_seqs: int, max_num_batc
 def step_plan(runner, num_tokens: int, num_seqs: int, context: int) -> StepPlan:
     """Arrays of a step of `num_seqs` sequences sharing `num_tokens` new tokens, each with `context`
     tokens already cached, laid out and padded to its bucket as the runner does for a real step."""
-    bucket_tokens, bucket_seqs = runner.buckets.pick(num_tokens, num_seqs)
-    inputs = padding_plan(bucket_tokens, bucket_seqs, runner.kv_layout, runner.config.vocab_size)
-    page_size, t, next_page = runner.page_size, 0, 0
-    if context + -(-num_tokens // num_seqs) > runner.max_pages_per_seq * page_size:
+    if context + -(-num_tokens // num_seqs) > runner.max_pages_per_seq * runner.page_size:
         raise ValueError(f"a context of {context} tokens exceeds the model's length; lower --contexts")
-    for row in range(num_seqs):
-        n = num_tokens // num_seqs + (row < num_tokens % num_seqs)
-        num_pages = -(-(context + n) // page_size)
-        table = np.arange(next_page, next_page + num_pages, dtype=np.int32)
-        next_page += num_pages
-        assert next_page <= runner.num_pages, "the KV cache is too small for this measurement"
-        pos = np.arange(context, context + n, dtype=np.int32)
-        inputs.token_ids[t:t + n] = 1 + row
-        inputs.positions[t:t + n] = pos
-        inputs.segment_ids[t:t + n] = row
-        inputs.slot_mapping[t:t + n] = table[pos // page_size] * page_size + pos % page_size
-        inputs.block_tables[row, :num_pages] = table
-        inputs.kv_lens[row] = context + n
-        inputs.logits_index[row] = t + n - 1
-        t += n
-    # The padding after them is skipped, as in a real step.
-    inputs.num_real_tokens, inputs.sampling.num_real_rows = num_tokens, np.int32(num_seqs)
-    return inputs
+    return chunks_plan(runner, [(context, num_tokens // num_seqs + (row < num_tokens % num_seqs))
+                                for row in range(num_seqs)])
 
 
 def time_steps(runner, shapes: list[tuple[int, int, int]], rounds: int = 5) -> list[float]:

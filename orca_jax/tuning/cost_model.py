@@ -14,7 +14,8 @@ kernel's row calls), a prompt step is compute over T rows; on a GPU both are fla
     prefill: seconds = host + p0 + p_token * T_bucket + p_seq * S_bucket + p_attn * attended / 1000
 
 with `host` the engine's own work per step beside the runner's (scheduling, building the plan,
-output processing), measured apart (tuning/measure.py). The coefficients come from weighted
+output processing and detokenizing: host_s_per_step + host_s_per_seq per sequence in the step),
+measured apart (tuning/measure.py). The coefficients come from weighted
 non-negative least squares (each row weighted by 1 / its seconds: relative errors count alike
 from a 1-token step to a 1024-token one; a cost is never negative).
 """
@@ -64,7 +65,8 @@ def features(chunks, token_bucket: int, seq_bucket: int) -> tuple[str, list[floa
 class CostModel:
     decode: dict[str, float]  # DECODE_TERMS -> coefficient
     prefill: dict[str, float]  # PREFILL_TERMS -> coefficient
-    host_s_per_step: float = 0.0  # the engine's work per step beside the runner's
+    host_s_per_step: float = 0.0  # the engine's work per step beside the runner's ...
+    host_s_per_seq: float = 0.0  # ... and per sequence the step runs
     # How well each regime's fit matches its own measurements: rms and max relative error, rows.
     fit_error: dict = dataclasses.field(default_factory=dict)
 
@@ -83,6 +85,7 @@ class CostModel:
         decode = (self.host_s_per_step + d["intercept_s"], d["per_seq_s"], d["per_1k_attended_s"] / 1000)
         prefill = (self.host_s_per_step + p["intercept_s"], p["per_token_s"], p["per_seq_s"],
                    p["per_1k_attended_s"] / 1000)
+        host_per_seq = self.host_s_per_seq
 
         def step_seconds(step: SimStep) -> float:
             tokens, work, only_decodes = 0, 0, True
@@ -93,21 +96,23 @@ class CostModel:
             padding = step.num_padding_seqs  # static's finished members: a row and a token each
             t, s = token_bucket[tokens + padding], seq_bucket[len(step.chunks) + padding]
             work += padding
+            host = host_per_seq * len(step.chunks)
             if only_decodes:
-                return decode[0] + decode[1] * s + decode[2] * work
-            return prefill[0] + prefill[1] * t + prefill[2] * s + prefill[3] * work
+                return host + decode[0] + decode[1] * s + decode[2] * work
+            return host + prefill[0] + prefill[1] * t + prefill[2] * s + prefill[3] * work
         return step_seconds
 
     def to_json(self) -> dict:
         return {"decode": self.decode, "prefill": self.prefill, "host_s_per_step": self.host_s_per_step,
-                "fit_error": self.fit_error,
-                "formula": "seconds = host_s_per_step + intercept_s + per_token_s * token_bucket + per_seq_s * "
-                           "seq_bucket + per_1k_attended_s * attended / 1000 (decode steps: no per_token_s)"}
+                "host_s_per_seq": self.host_s_per_seq, "fit_error": self.fit_error,
+                "formula": "seconds = host_s_per_step + host_s_per_seq * seqs + intercept_s + per_token_s * "
+                           "token_bucket + per_seq_s * seq_bucket + per_1k_attended_s * attended / 1000 (decode "
+                           "steps: no per_token_s)"}
 
     @classmethod
     def from_json(cls, data: dict) -> "CostModel":
         return cls(dict(data["decode"]), dict(data["prefill"]), float(data.get("host_s_per_step", 0.0)),
-                   dict(data.get("fit_error", {})))
+                   float(data.get("host_s_per_seq", 0.0)), dict(data.get("fit_error", {})))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +125,7 @@ class Timing:
     seconds: float
 
 
-def fit(timings: list[Timing], host_s_per_step: float = 0.0) -> CostModel:
+def fit(timings: list[Timing], host_s_per_step: float = 0.0, host_s_per_seq: float = 0.0) -> CostModel:
     """The cost model by weighted non-negative least squares over the measured steps (see the
     module docstring). Each regime needs more rows than terms, with the terms varying."""
     from scipy.optimize import nnls
@@ -147,4 +152,4 @@ def fit(timings: list[Timing], host_s_per_step: float = 0.0) -> CostModel:
         relative = (x @ beta - y) / y
         errors[kind] = {"rms_relative": float(np.sqrt(np.mean(relative ** 2))),
                         "max_relative": float(np.max(np.abs(relative))), "rows": int(len(y))}
-    return CostModel(coefficients["decode"], coefficients["prefill"], host_s_per_step, errors)
+    return CostModel(coefficients["decode"], coefficients["prefill"], host_s_per_step, host_s_per_seq, errors)

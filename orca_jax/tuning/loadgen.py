@@ -140,3 +140,20 @@ def replay(url: str, requests: list[tuple[list[int], int]], arrivals: list[float
     """Each (prompt token ids, max_tokens) sent at its arrival offset (seconds); the per-request
     measurements, in order, and the run's wall time."""
     return asyncio.run(_replay(url, requests, arrivals, progress))
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """The server's engine counters from /metrics (iterations, generated tokens, preemptions), to
+    set beside the simulation's."""
+    import urllib.request
+
+    wanted = {"orca_jax_iterations_total": "steps", "orca_jax_generation_tokens_total": "generated_tokens",
+              "orca_jax_preemptions_total": "preemptions"}
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    counters = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in wanted:
+            counters[wanted[name]] = float(value)
+    return counters

@@ -61,7 +61,9 @@ def plan_chunks(plan: StepPlan) -> tuple[tuple[int, int], ...]:
 
 
 def grid(token_buckets, seq_buckets, max_model_len: int) -> list[tuple[tuple[int, int], ...]]:
-    """The measured shapes, as chunk tuples (module docstring)."""
+    """The measured shapes, as chunk tuples (module docstring). Above 256 tokens a step is all
+    matmul and a prompt alone: the long-context and mixed shapes are taken below that, where they
+    are cheap to time."""
     short, long = min(64, max_model_len // 8), min(512, max_model_len // 2)
     shapes = [((context, 1),) * s for s in seq_buckets for context in (short, long)]
     mixed_seqs = seq_buckets[len(seq_buckets) // 2]  # a middle sequence bucket
@@ -69,6 +71,8 @@ def grid(token_buckets, seq_buckets, max_model_len: int) -> list[tuple[tuple[int
         if t < 2:
             continue
         shapes.append(((0, t),))
+        if t > 256:
+            continue
         if long + t <= max_model_len:
             shapes.append(((long, t),))  # a later chunk of a long prompt
         decodes = min(mixed_seqs, t) - 1
@@ -97,40 +101,56 @@ def time_plans(runner, plans: list[StepPlan], budget_s: float, min_rounds: int =
     return [statistics.median(t) for t in times]
 
 
-class _RecordingRunner:
-    """The runner, recording the chunks and bucket of every plan the engine dispatches."""
+class _TimedRunner:
+    """The runner, timing what the engine waits for in it (dispatch and collect) per step."""
 
     def __init__(self, runner):
         self._runner = runner
-        self.steps: list[tuple[tuple[tuple[int, int], ...], tuple[int, int]]] = []
+        self.seconds = 0.0
+        self.seqs: list[int] = []  # sequences of each dispatched step
 
     def __getattr__(self, name):
         return getattr(self._runner, name)
 
     def dispatch(self, plan: StepPlan):
-        self.steps.append((plan_chunks(plan), plan.bucket))
-        return self._runner.dispatch(plan)
-
-
-def host_seconds_per_step(llm, model: CostModel, lengths: list[tuple[int, int]]) -> float:
-    """The engine's work per step beside the runner's: a burst of requests through the real engine
-    (its own policy and async scheduling), its wall time against the model's device seconds for the
-    very steps it ran, per step (0 when the device time covers it: host work hidden behind it)."""
-    engine = llm.engine
-    recording = _RecordingRunner(engine.runner)
-    engine.runner = recording
-    try:
         start = time.perf_counter()
+        self.seqs.append(len(plan.request_ids))
+        pending = self._runner.dispatch(plan)
+        self.seconds += time.perf_counter() - start
+        return pending
+
+    def collect(self, pending):
+        start = time.perf_counter()
+        tokens = self._runner.collect(pending)
+        self.seconds += time.perf_counter() - start
+        return tokens
+
+
+def host_seconds(engine, lengths: list[tuple[int, int]]) -> tuple[float, float]:
+    """The engine's work beside the runner's, per step and per sequence in the step: a burst of
+    requests through the real engine stepping one iteration at a time (each step's wall time less
+    what it waited for in the runner), fitted by non-negative least squares. The engine must not
+    plan ahead (async scheduling off), so that no host work hides behind a step in flight."""
+    from scipy.optimize import nnls
+
+    assert not engine.plans_ahead and engine.max_in_flight == 1, "measure the host's work one step at a time"
+    timed = _TimedRunner(engine.runner)
+    engine.runner = timed
+    rows, host = [], []
+    try:
         for i, (prompt_len, max_tokens) in enumerate(lengths):
             ids = [1 + (i + j) % (engine.model_config.vocab_size - 1) for j in range(prompt_len)]
             engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         while engine.has_unfinished_requests():
+            start, waited, steps = time.perf_counter(), timed.seconds, len(timed.seqs)
             engine.step()
-        wall = time.perf_counter() - start
+            if len(timed.seqs) > steps:
+                rows.append([1.0, timed.seqs[-1]])
+                host.append(max(0.0, time.perf_counter() - start - (timed.seconds - waited)))
     finally:
-        engine.runner = recording._runner
-    device = sum(model.device_seconds(chunks, t, s) for chunks, (t, s) in recording.steps)
-    return max(0.0, (wall - device) / max(1, len(recording.steps)))
+        engine.runner = timed._runner
+    (per_step, per_seq), _ = nnls(np.array(rows), np.array(host))
+    return float(per_step), float(per_seq)
 
 
 def measure_cost_model(llm, budget_s: float = 30.0, progress: Callable[[str, int, int], None] | None = None
@@ -144,15 +164,16 @@ def measure_cost_model(llm, budget_s: float = 30.0, progress: Callable[[str, int
     seconds = time_plans(runner, plans, budget_s,
                          progress=(lambda rounds: progress("timing steps", rounds, len(plans))) if progress else None)
     timings = [Timing(chunks, *plan.bucket, s) for chunks, plan, s in zip(shapes, plans, seconds)]
-    model = fit(timings)
-    # The host's share: a burst of max_num_seqs x 2 short requests through the engine.
+    # The host's share: a burst of max_num_seqs short requests through the engine, finishing one
+    # after another so that the steps run every number of sequences.
     max_seqs = runner.buckets.seqs[-1]
     prompt = max(1, min(32, llm.engine.max_model_len // 4))
-    burst = [(prompt, max(2, min(24, llm.engine.max_model_len - prompt - 1))) for _ in range(2 * max_seqs)]
-    host = host_seconds_per_step(llm, model, burst)
+    longest = max(2, min(24, llm.engine.max_model_len - prompt - 1))
+    burst = [(prompt, 2 + i * (longest - 2) // max(1, max_seqs - 1)) for i in range(max_seqs)]
+    per_step, per_seq = host_seconds(llm.engine, burst)
     if progress:
         progress("engine burst", 1, 1)
-    return fit(timings, host_s_per_step=host), timings
+    return fit(timings, per_step, per_seq), timings
 
 
 # ---- the measuring process: `python -m orca_jax.tuning.measure` ------------------------------
@@ -197,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     and writes them as JSON to --out. The tuner runs this in a process of its own, so that the
     device's memory is free again for the server it starts afterwards."""
     import argparse
+    import dataclasses
     import json
 
     from tqdm.auto import tqdm
@@ -211,7 +233,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device-memory", type=int, default=None)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    llm = LLM(config=load_toml(EngineConfig, args.config))
+    config = load_toml(EngineConfig, args.config)
+    # One step at a time, so the engine's own work can be told from the runner's (host_seconds).
+    llm = LLM(config=dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler,
+                                                                                 async_scheduling=False)))
     bar = tqdm(desc="measuring step times", unit="round")
 
     def progress(stage: str, done: int, total: int) -> None:

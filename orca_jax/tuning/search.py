@@ -33,6 +33,7 @@ from orca_jax.tuning.simulate import POLICIES, SimConfig, SimResult, simulate_ar
 from orca_jax.tuning.workload import Workload
 
 RATE_RESOLUTION = 0.03  # the capacity bisection stops when hi / lo is within this of 1
+COARSE_RESOLUTION = 0.15  # ... for a candidate that cannot beat the best found so far
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,8 @@ class Point:
     tpot_p99_s: float
     preemptions: int
     kv_bound: bool
+    steps: int = 0  # engine iterations
+    end_s: float = 0.0  # when the last request finished
 
     def score(self, target: Target) -> float:
         return max(self.ttft_p99_s / target.ttft_p99_s, self.tpot_p99_s / target.tpot_p99_s)
@@ -101,7 +104,7 @@ class Point:
 
     def to_json(self) -> dict:
         return {"rate_rps": self.rate, "ttft_p99_s": self.ttft_p99_s, "tpot_p99_s": self.tpot_p99_s,
-                "preemptions": self.preemptions}
+                "preemptions": self.preemptions, "steps": self.steps, "end_s": self.end_s}
 
 
 @dataclasses.dataclass
@@ -125,7 +128,8 @@ def run_point(settings: Settings, workload: Workload, rate: float, model: CostMo
                        settings.num_pages)
     result: SimResult = simulate_arrivals(list(workload.lengths), workload.arrivals(rate), config,
                                           model.pricer(settings.max_num_seqs, settings.max_num_batched_tokens))
-    return Point(rate, p99(result.ttft_s()), p99(result.tpot_s()), result.num_preemptions, result.kv_bound)
+    return Point(rate, p99(result.ttft_s()), p99(result.tpot_s()), result.num_preemptions, result.kv_bound,
+                 result.num_steps, result.end_s)
 
 
 def candidates(space: Space, workload: Workload, num_pages_for: Callable[[int], int], page_size: int
@@ -170,31 +174,44 @@ def saturation_rate(settings: Settings, workload: Workload, model: CostModel) ->
     return len(workload.lengths) / result.end_s
 
 
-def find_capacity(settings: Settings, workload: Workload, model: CostModel, target: Target) -> Outcome:
-    """The largest rate whose simulated p99s meet the target, by bisection on log(rate) between a
-    rate far below saturation and one above it."""
-    high = 1.25 * saturation_rate(settings, workload, model)
-    low = high / 256
-    kv_bound = False
-    best = None
-    point = run_point(settings, workload, low, model)
-    kv_bound |= point.kv_bound
-    if not point.meets(target):
-        return Outcome(settings, 0.0, None, kv_bound)  # even a trickle misses the target
-    best = point
-    top = run_point(settings, workload, high, model)
-    kv_bound |= top.kv_bound
-    if top.meets(target):  # the target is loose: any rate the server sustains meets it
-        return Outcome(settings, high, top, kv_bound)
-    while high / low > 1 + RATE_RESOLUTION:
+def find_capacity(settings: Settings, workload: Workload, model: CostModel, target: Target,
+                  best: float = 0.0) -> Outcome:
+    """The largest rate whose simulated p99s meet the target: by bisection on log(rate), between the
+    rate the settings saturate at (all requests queued at once) and a quarter of it, or lower if
+    needed. `best`, the best capacity found so far: a candidate that misses the target there cannot
+    win, and its own capacity is found only to COARSE_RESOLUTION (for the table and the plot)."""
+    points = []
+
+    def meets(rate: float) -> bool:
+        points.append(run_point(settings, workload, rate, model))
+        return points[-1].meets(target)
+
+    def outcome(capacity: float) -> Outcome:
+        at = next((p for p in points if p.rate == capacity), None)
+        return Outcome(settings, capacity, at, any(p.kv_bound for p in points))
+
+    saturation = saturation_rate(settings, workload, model)
+    high, low, resolution = 1.25 * saturation, None, RATE_RESOLUTION
+    if meets(high):  # a loose target: any rate the server sustains meets it
+        return outcome(high)
+    if 0 < best < high:
+        if meets(best):
+            low = best  # it may beat the best: bisect above it, finely
+        else:
+            high, resolution = best, COARSE_RESOLUTION  # it cannot
+    if low is None:
+        low = high / 4
+        while not meets(low):  # gallop down to a rate that meets the target
+            high, low = low, low / 4
+            if low < saturation / 1000:  # requests alone miss the target
+                return Outcome(settings, 0.0, None, any(p.kv_bound for p in points))
+    while high / low > 1 + resolution:
         middle = math.sqrt(low * high)
-        point = run_point(settings, workload, middle, model)
-        kv_bound |= point.kv_bound
-        if point.meets(target):
-            low, best = middle, point
+        if meets(middle):
+            low = middle
         else:
             high = middle
-    return Outcome(settings, low, best, kv_bound)
+    return outcome(low)
 
 
 def _same_runs(outcome: Outcome, settings: Settings) -> Outcome:
@@ -220,7 +237,7 @@ def search(space: Space, workload: Workload, model: CostModel, target: Target, n
             point = run_point(s, workload, target.rate, model)
             outcome = Outcome(s, None, point, point.kv_bound)
         else:
-            outcome = find_capacity(s, workload, model, target)
+            outcome = find_capacity(s, workload, model, target, max((o.capacity or 0.0 for o in outcomes), default=0.0))
         outcomes.append(outcome)
         previous = outcome
     return choose(outcomes, workload, model, target), outcomes, refused

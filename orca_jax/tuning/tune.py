@@ -226,22 +226,25 @@ def verify(toml: Path, workload: Workload, prompts: list[list[int]], rate: float
     """The settings served for real at `rate`: p99s measured from the streamed responses."""
     from tqdm.auto import tqdm
 
-    from orca_jax.tuning.loadgen import replay, running_server
+    from orca_jax.tuning.loadgen import engine_counters, replay, running_server
 
     print(f"verifying: starting `orca-jax serve --config {toml}` (log: {log}) ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     with running_server(toml, log) as url:
         ready = time.perf_counter() - start
         bar = tqdm(total=len(prompts), desc=f"replaying at {rate:.3g} req/s", unit="req")
+        before = engine_counters(url)
         results, wall = replay(url, [(p, m) for p, (_, m) in zip(prompts, workload.lengths)],
                                workload.arrivals(rate), progress=lambda: bar.update(1))
+        after = engine_counters(url)
         bar.close()
     ok = [r for r in results if r.ok]
     errors = sorted({r.error for r in results if not r.ok})[:5]
     return {"rate_rps": rate, "ttft_p99_s": p99([r.ttft_s for r in ok]),
             "tpot_p99_s": p99([r.tpot_s for r in ok if not math.isnan(r.tpot_s)]),
             "requests": len(results), "ok": len(ok), "errors": errors, "wall_s": wall,
-            "throughput_rps": len(ok) / wall, "server_ready_s": ready}
+            "throughput_rps": len(ok) / wall, "server_ready_s": ready,
+            **{key: after[key] - before.get(key, 0.0) for key in after}}
 
 
 # ---- output ------------------------------------------------------------------------------------
@@ -275,14 +278,16 @@ def table(outcomes: list[Outcome], target: Target, winner: Outcome | None, rows:
 
 
 def side_by_side(predicted: dict, measured: dict | None, target: Target) -> str:
+    """Predicted and measured figures of the winner at the chosen rate; error = predicted / measured - 1."""
+    rows = [("TTFT p99 (s)", "ttft_p99_s", target.ttft_p99_s, ".3f"), ("TPOT p99 (s)", "tpot_p99_s", target.tpot_p99_s, ".3f"),
+            ("rate (req/s)", "rate_rps", None, ".3f"), ("run (s)", "wall_s", None, ".1f"),
+            ("iterations", "steps", None, ".0f"), ("preemptions", "preemptions", None, ".0f")]
     lines = [f"{'':14s} {'predicted':>10s} {'measured':>10s} {'error':>8s} {'target':>8s}"]
-    for key, name, goal in (("ttft_p99_s", "TTFT p99 (s)", target.ttft_p99_s),
-                            ("tpot_p99_s", "TPOT p99 (s)", target.tpot_p99_s)):
-        m = measured[key] if measured else None
-        error = f"{(predicted[key] - m) / m:+.0%}" if m else "-"
-        lines.append(f"{name:14s} {predicted[key]:10.3f} {('-' if m is None else f'{m:.3f}'):>10s} {error:>8s} {goal:8.3f}")
-    lines.append(f"{'rate (req/s)':14s} {predicted['rate_rps']:10.3f} "
-                 f"{('-' if measured is None else format(measured['rate_rps'], '.3f')):>10s}")
+    for name, key, goal, form in rows:
+        p, m = predicted.get(key), (measured or {}).get(key)
+        error = f"{p / m - 1:+.0%}" if p is not None and m else "-"
+        lines.append(f"{name:14s} {'-' if p is None else format(p, form):>10s} {'-' if m is None else format(m, form):>10s} "
+                     f"{error:>8s} {'' if goal is None else format(goal, '.3f'):>8s}")
     return "\n".join(lines)
 
 
@@ -346,7 +351,8 @@ def run(args: argparse.Namespace) -> dict:
     measured_s = time.perf_counter() - started
     errors = model.fit_error
     print(f"cost model ({measured_s:.0f} s): decode {_coefficients(model.decode)}; prefill "
-          f"{_coefficients(model.prefill)}; host {1000 * model.host_s_per_step:.1f} ms/step; fit rms error decode "
+          f"{_coefficients(model.prefill)}; host {1000 * model.host_s_per_step:.1f} ms/step + "
+          f"{1000 * model.host_s_per_seq:.2f} ms/sequence; fit rms error decode "
           f"{errors['decode']['rms_relative']:.0%}, prefill {errors['prefill']['rms_relative']:.0%}", file=sys.stderr)
 
     def pages_for(kv: int) -> int:
@@ -372,7 +378,8 @@ def run(args: argparse.Namespace) -> dict:
     settings = winner.settings
     rate = target.rate if target.rate is not None else winner.capacity
     predicted = {"rate_rps": rate, "ttft_p99_s": winner.point.ttft_p99_s, "tpot_p99_s": winner.point.tpot_p99_s,
-                 "meets_target": winner.point.meets(target)}
+                 "meets_target": winner.point.meets(target), "steps": winner.point.steps,
+                 "preemptions": winner.point.preemptions, "wall_s": winner.point.end_s}
     header = [f"orca-jax tune, {datetime.date.today()}: {describe(list(workload.lengths))}",
               f"target TTFT p99 <= {target.ttft_p99_s} s, TPOT p99 <= {target.tpot_p99_s} s; predicted at "
               f"{rate:.3g} req/s: TTFT p99 {predicted['ttft_p99_s']:.3f} s, TPOT p99 {predicted['tpot_p99_s']:.3f} s"]
