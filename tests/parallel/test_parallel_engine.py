@@ -44,8 +44,9 @@ def tiny_one_device_tokens(tiny_runner, tiny_trained):
             for policy in POLICIES}
 
 
+# "pallas" is the Pallas kernel in interpret mode on CPU.
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("tp,pp,impl", [(2, 1, "xla"), (1, 2, "xla"), (2, 2, "xla"), (2, 2, "pallas-interpret"),
+@pytest.mark.parametrize("tp,pp,impl", [(2, 1, "xla"), (1, 2, "xla"), (2, 2, "xla"), (2, 2, "pallas"),
                                         (2, 1, "native")])
 def test_tiny_layouts_give_the_one_device_tokens(tiny_layouts, tiny_trained, tiny_one_device_tokens, policy, tp, pp,
                                                  impl):
