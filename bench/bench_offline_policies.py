@@ -26,6 +26,7 @@ from pathlib import Path
 import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402
 from workloads import WorkloadSpec, build_workload, describe, workload_lengths  # noqa: E402
 
 from orca_jax import LLM, SamplingParams  # noqa: E402
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     from orca_jax.checkpoint.store import resolve_checkpoint_dir
 
     tokenizer = Tokenizer.load(resolve_checkpoint_dir(args.model))
-    results = {"model": args.model, "cpu": _cpu_model(), "jax": jax.__version__, "backend": jax.default_backend(),
+    results = {"machine": machine.describe(), "model": args.model, "jax": jax.__version__, "backend": jax.default_backend(),
                "max_num_seqs": args.max_num_seqs, "num_requests": args.num_requests, "workloads": {}}
     for kind in args.workloads:
         spec = WorkloadSpec(num_requests=args.num_requests, seed=0, **WORKLOADS[kind])
@@ -95,16 +96,6 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"saved {args.out}")
     return results
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":
