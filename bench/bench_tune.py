@@ -11,7 +11,8 @@
    (configs/engine/default.toml's: chunked, 32 sequences, 512 tokens, the default KV) and of the
    tuned ones on the held-out workload: the largest arrival rate whose p99 TTFT and TPOT meet the
    target, found by probing rates (each probe replays the whole workload) from the simulation's
-   estimate up and down by --step, then bisecting once between the last rate met and the first missed.
+   estimate up and down by --step, then bisecting --bisections times between the highest rate met
+   and the lowest missed above it.
 
 Saves bench/results/tune_new.json (or --out): the tune run's time and report, each probe, both
 capacities and their ratio.
@@ -53,8 +54,9 @@ def probe(url: str, workload, prompts, rate: float, target: Target) -> dict:
     return row
 
 
-def measured_capacity(toml: Path, workload, prompts, target: Target, start: float, step: float, log: Path) -> dict:
-    """Probes from `start` up (or down) by `step` until the answer changes, then bisects once."""
+def measured_capacity(toml: Path, workload, prompts, target: Target, start: float, step: float, bisections: int,
+                      log: Path) -> dict:
+    """Probes from `start` up (or down) by `step` until the answer changes, then bisects `bisections` times."""
     probes = []
     with running_server(toml, log) as url:
         rate = start
@@ -66,10 +68,12 @@ def measured_capacity(toml: Path, workload, prompts, target: Target, start: floa
             probes.append(probe(url, workload, prompts, rate, target))
             if probes[-1]["meets"] != first["meets"] or len(probes) > 6:
                 break
-        met = [p["rate_rps"] for p in probes if p["meets"]]
-        missed = [p["rate_rps"] for p in probes if not p["meets"]]
-        if met and missed and min(missed) > max(met):
-            probes.append(probe(url, workload, prompts, math.sqrt(max(met) * min(missed)), target))
+        for _ in range(bisections):
+            met = [p["rate_rps"] for p in probes if p["meets"]]
+            above = [p["rate_rps"] for p in probes if not p["meets"] and met and p["rate_rps"] > max(met)]
+            if not (met and above):
+                break
+            probes.append(probe(url, workload, prompts, math.sqrt(max(met) * min(above)), target))
     return {"capacity_rps": max((p["rate_rps"] for p in probes if p["meets"]), default=0.0), "probes": probes}
 
 
@@ -84,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--heldout-requests", type=int, default=120, help="requests of the held-out workload")
     parser.add_argument("--heldout-seed", type=int, default=1)
     parser.add_argument("--step", type=float, default=1.25, help="factor between probed rates")
+    parser.add_argument("--bisections", type=int, default=2, help="probes between the bracketing rates")
     parser.add_argument("--tune-report", type=Path, help="an earlier tune report (its TOML beside it) instead of tuning")
     parser.add_argument("--out", type=Path, default=RESULTS / "tune_new.json")
     args, tune_flags = parser.parse_known_args(argv)
@@ -132,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
         predicted = find_capacity(settings, heldout, model, target).capacity
         print(f"{name}: {settings.label}, simulated capacity {predicted:.3f} req/s; measuring ...", flush=True)
         results[name] = {"settings": settings.label, "predicted_capacity_rps": predicted,
-                         **measured_capacity(toml, heldout, prompts, target, predicted, args.step,
+                         **measured_capacity(toml, heldout, prompts, target, predicted, args.step, args.bisections,
                                              work / f"{name}.server.log")}
         print(f"{name}: measured capacity {results[name]['capacity_rps']:.3f} req/s", flush=True)
     ratio = results["tuned"]["capacity_rps"] / results["defaults"]["capacity_rps"] \

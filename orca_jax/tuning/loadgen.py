@@ -79,7 +79,7 @@ async def _wait_ready(url: str, process: subprocess.Popen, timeout_s: float, log
                                    f"see {log}")
             try:
                 async with session.get(url + "/health") as response:
-                    if response.status == 200 and (await response.json()).get("first_runs_left", 0) == 0:
+                    if response.status == 200 and (await response.json())["first_runs_left"] == 0:
                         return
             except aiohttp.ClientError:
                 pass

@@ -2,10 +2,15 @@
 engine's own work per step. The only module of tuning/ that runs jax (through the runner).
 
 The grid (`grid`): decode steps of every sequence bucket at a short and a long context; prompt
-steps of every token bucket from 2 up, as one prompt, as a chunk after a cached prefix, and mixed
-(decodes beside one prompt chunk, as the chunked policy runs them). Each step is timed warm (its
-programs ran before) in rounds taken round-robin over the grid, so a burst of other work on a shared
-machine spoils one round rather than one shape; a shape's time is the median of its rounds.
+steps of every token bucket from 2 up, as one prompt, and up to 256 tokens also as a chunk after a
+cached prefix and mixed (decodes beside one prompt chunk, as the chunked policy runs them). Each
+step is timed warm (its programs ran before) in rounds taken round-robin over the grid, so a burst
+of other work on a shared machine spoils one round rather than one shape; a shape's time is the
+median of its rounds. The engine's own work (`host_seconds`) is timed apart, on a burst of requests
+stepped one iteration at a time.
+
+`python -m orca_jax.tuning.measure` does both in a process of its own and adds the memory plan of
+each KV budget (`main`), for `orca-jax tune`.
 """
 
 from __future__ import annotations

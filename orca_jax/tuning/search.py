@@ -154,10 +154,11 @@ def candidates(space: Space, workload: Workload, num_pages_for: Callable[[int], 
             for tokens in sorted(space.max_num_batched_tokens):
                 label = f"{policy} seqs={seqs} tokens={tokens}"
                 if tokens < seqs:
-                    refused.append((label, f"max_num_batched_tokens={tokens} is below max_num_seqs={seqs}"))
+                    refused.append((label, "max_num_batched_tokens is below max_num_seqs (every running request "
+                                           "must be able to decode in each step)"))
                     continue
                 if policy != "chunked" and workload.max_prompt_len > tokens:
-                    refused.append((label, f"{policy} does not split prompts, and the longest prompt "
+                    refused.append((label, f"the policy does not split prompts, and the longest prompt "
                                            f"({workload.max_prompt_len} tokens) exceeds the token budget"))
                     continue
                 chosen += [Settings(policy, seqs, tokens, kv, n, page_size) for kv, n in pages.items()]

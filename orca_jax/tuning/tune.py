@@ -71,7 +71,10 @@ def int_list(text: str) -> tuple[int, ...]:
 
 
 def size_list(text: str) -> tuple[int, ...]:
-    return tuple(byte_size(v) for v in text.replace(",", " ").split()) or int_list("")
+    values = tuple(byte_size(v) for v in text.replace(",", " ").split())
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give sizes separated by commas, e.g. 512MiB,1GiB")
+    return values
 
 
 def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
@@ -367,8 +370,9 @@ def run(args: argparse.Namespace) -> dict:
         return tqdm(items, desc="searching", unit="setting")
 
     winner, outcomes, refused = search(space, workload, model, target, pages_for, measurement["page_size"], progress)
-    for what, why in refused:
-        print(f"refused {what}: {why}", file=sys.stderr)
+    for why, what in _grouped(refused).items():
+        print(f"refused {', '.join(what) if len(what) <= 3 else f'{len(what)} settings ({what[0]}, ...)'}: {why}",
+              file=sys.stderr)
     if not outcomes:
         raise ValueError("the memory plan and the workload leave no settings to try (see the refusals above)")
     print(table(outcomes, target, winner))
@@ -417,6 +421,14 @@ def run(args: argparse.Namespace) -> dict:
         args.report.write_text(json.dumps(report, indent=1) + "\n")
     print(f"tune took {report['elapsed_s']:.0f} s", file=sys.stderr)
     return report
+
+
+def _grouped(refused: list[tuple[str, str]]) -> dict[str, list[str]]:
+    """The refused settings by reason, in order."""
+    groups: dict[str, list[str]] = {}
+    for what, why in refused:
+        groups.setdefault(why, []).append(what)
+    return groups
 
 
 def _coefficients(terms: dict) -> str:

@@ -110,6 +110,7 @@ def test_a_request_longer_than_the_kv_cache_or_a_prompt_over_the_budget_is_refus
                                        ample_pages, page_size=16)
     reasons = dict(refused)
     assert "less than the workload's longest request (160)" in reasons["kv=0.0078125MiB"]
-    assert "longest prompt (100 tokens) exceeds the token budget" in reasons["orca seqs=4 tokens=64"]
+    assert "does not split prompts, and the longest prompt (100 tokens) exceeds the token budget" in \
+        reasons["orca seqs=4 tokens=64"]
     assert [o.settings.label for o in outcomes] == ["chunked seqs=4 tokens=64 kv=1MiB"]
     assert winner is outcomes[0] and math.isfinite(winner.capacity)
