@@ -1,4 +1,4 @@
-"""Seconds per engine step as a linear function of the step's shape, fitted by least squares.
+"""Seconds per engine step as a function of the step's shape, fitted by least squares.
 
 A step runs the compiled programs of its bucket (T tokens, S sequences: the smallest buckets that
 hold it), so its matmuls cost what T padded rows cost, its LM head and sampler what S rows cost;
@@ -8,20 +8,25 @@ tokens after `start` cached ones reads n * start + n (n + 1) / 2 positions).
 
 Decode steps (every sequence computes one token) and steps with prompt tokens are fitted apart, as
 what dominates differs: a decode step of a few rows is a read of the weights (on CPU, the native
-kernel's row calls), a prompt step is compute over T rows; on a GPU both are flatter in T. So
+kernel's row calls; XLA's dot for more rows), a prompt step is compute over T rows; on a GPU both
+are flatter. Neither is a straight line in the bucket (measured on a Zen 4: a decode step costs 35
+ms at 8 sequences and 70 at 16; a prompt token 3.4 ms at 16 tokens, 1.4 at 128, 1.6 at 1024), so
+each measured bucket gets its own base cost:
 
-    decode:  seconds = host + d0 + d_seq * S_bucket + d_attn * attended / 1000
-    prefill: seconds = host + p0 + p_token * T_bucket + p_seq * S_bucket + p_attn * attended / 1000
+    decode:  seconds = host + base_decode[S_bucket] + d_attn * attended / 1000
+    prefill: seconds = host + base_prefill[T_bucket] + p_seq * S_bucket + p_attn * attended / 1000
 
-with `host` the engine's own work per step beside the runner's (scheduling, building the plan,
-output processing and detokenizing: host_s_per_step + host_s_per_seq per sequence in the step),
-measured apart (tuning/measure.py). The coefficients come from weighted
-non-negative least squares (each row weighted by 1 / its seconds: relative errors count alike
-from a 1-token step to a 1024-token one; a cost is never negative).
+A bucket that was not measured (a limit that is not a power of two) is priced by linear
+interpolation between the measured buckets around it. `host` is the engine's own work per step
+beside the runner's (scheduling, building the plan, output processing and detokenizing:
+host_s_per_step + host_s_per_seq per sequence in the step), measured apart (tuning/measure.py).
+The coefficients come from weighted non-negative least squares (each row weighted by 1 / its
+seconds: relative errors count alike from a 1-token step to a 1024-token one; no cost is negative).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Callable
 
@@ -30,8 +35,93 @@ import numpy as np
 from orca_jax.engine.step_plan import Buckets
 from orca_jax.tuning.simulate import SimStep
 
-DECODE_TERMS = ("intercept_s", "per_seq_s", "per_1k_attended_s")
-PREFILL_TERMS = ("intercept_s", "per_token_s", "per_seq_s", "per_1k_attended_s")
+
+def attended(chunks) -> int:
+    """Positions the step's tokens attend to: chunk (start, n) reads n * start + n (n + 1) / 2."""
+    return sum(n * start + n * (n + 1) // 2 for start, n in chunks)
+
+
+def is_decode(chunks) -> bool:
+    return all(n == 1 for _, n in chunks)
+
+
+def interpolate(table: dict[int, float], x: int) -> float:
+    """table[x], or the line through the measured buckets around x (beyond them: through the last two)."""
+    if x in table:
+        return table[x]
+    keys = sorted(table)
+    if len(keys) == 1:
+        return table[keys[0]]
+    i = min(max(bisect.bisect_left(keys, x), 1), len(keys) - 1)
+    lo, hi = keys[i - 1], keys[i]
+    return max(0.0, table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo))
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    decode_base_s: dict[int, float]  # sequence bucket -> seconds of a decode step with nothing attended
+    decode_per_1k_attended_s: float
+    prefill_base_s: dict[int, float]  # token bucket -> seconds of a prompt step of one sequence, nothing attended
+    prefill_per_seq_s: float  # each sequence bucket row beside the first
+    prefill_per_1k_attended_s: float
+    host_s_per_step: float = 0.0  # the engine's work per step beside the runner's ...
+    host_s_per_seq: float = 0.0  # ... and per sequence the step runs
+    # How well each regime's fit matches its own measurements: rms and max relative error, rows.
+    fit_error: dict = dataclasses.field(default_factory=dict)
+
+    def device_seconds(self, chunks, token_bucket: int, seq_bucket: int) -> float:
+        work = attended(chunks) / 1000
+        if is_decode(chunks):
+            return interpolate(self.decode_base_s, seq_bucket) + self.decode_per_1k_attended_s * work
+        return (interpolate(self.prefill_base_s, token_bucket) + self.prefill_per_seq_s * seq_bucket
+                + self.prefill_per_1k_attended_s * work)
+
+    def pricer(self, max_num_seqs: int, max_num_batched_tokens: int) -> Callable[[SimStep], float]:
+        """Seconds of a simulated step under these limits (the runner's default buckets for them):
+        `device_seconds` plus the host's share, with the bucket tables laid out once, as the search
+        calls it for every step."""
+        buckets = Buckets.for_limits(max_num_batched_tokens, max_num_seqs)
+        token_bucket, seq_bucket = _lookup(buckets.tokens), _lookup(buckets.seqs)
+        host = self.host_s_per_step
+        decode_base = {s: host + interpolate(self.decode_base_s, s) for s in buckets.seqs}
+        prefill_base = {t: host + interpolate(self.prefill_base_s, t) for t in buckets.tokens}
+        decode_attn, per_seq = self.decode_per_1k_attended_s / 1000, self.prefill_per_seq_s
+        prefill_attn, host_per_seq = self.prefill_per_1k_attended_s / 1000, self.host_s_per_seq
+
+        def step_seconds(step: SimStep) -> float:
+            tokens, work, only_decodes = 0, 0, True
+            for start, n in step.chunks:
+                tokens += n
+                work += n * start + n * (n + 1) // 2
+                only_decodes = only_decodes and n == 1
+            padding = step.num_padding_seqs  # static's finished members: a row and a token each
+            t, s = token_bucket[tokens + padding], seq_bucket[len(step.chunks) + padding]
+            work += padding
+            seconds = host_per_seq * len(step.chunks)
+            if only_decodes:
+                return seconds + decode_base[s] + decode_attn * work
+            return seconds + prefill_base[t] + per_seq * s + prefill_attn * work
+        return step_seconds
+
+    def to_json(self) -> dict:
+        return {"decode": {"base_s_by_seq_bucket": {str(k): v for k, v in sorted(self.decode_base_s.items())},
+                           "per_1k_attended_s": self.decode_per_1k_attended_s},
+                "prefill": {"base_s_by_token_bucket": {str(k): v for k, v in sorted(self.prefill_base_s.items())},
+                            "per_seq_s": self.prefill_per_seq_s, "per_1k_attended_s": self.prefill_per_1k_attended_s},
+                "host_s_per_step": self.host_s_per_step, "host_s_per_seq": self.host_s_per_seq,
+                "fit_error": self.fit_error,
+                "formula": "decode: host + base_s_by_seq_bucket[S] + per_1k_attended_s * attended / 1000; prefill: "
+                           "host + base_s_by_token_bucket[T] + per_seq_s * S + per_1k_attended_s * attended / 1000; "
+                           "host = host_s_per_step + host_s_per_seq * sequences; buckets not measured are "
+                           "interpolated"}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CostModel":
+        decode, prefill = data["decode"], data["prefill"]
+        return cls({int(k): v for k, v in decode["base_s_by_seq_bucket"].items()}, decode["per_1k_attended_s"],
+                   {int(k): v for k, v in prefill["base_s_by_token_bucket"].items()}, prefill["per_seq_s"],
+                   prefill["per_1k_attended_s"], float(data.get("host_s_per_step", 0.0)),
+                   float(data.get("host_s_per_seq", 0.0)), dict(data.get("fit_error", {})))
 
 
 def _lookup(buckets: tuple[int, ...]) -> list[int]:
@@ -44,77 +134,6 @@ def _lookup(buckets: tuple[int, ...]) -> list[int]:
     return table
 
 
-def attended(chunks) -> int:
-    """Positions the step's tokens attend to: chunk (start, n) reads n * start + n (n + 1) / 2."""
-    return sum(n * start + n * (n + 1) // 2 for start, n in chunks)
-
-
-def is_decode(chunks) -> bool:
-    return all(n == 1 for _, n in chunks)
-
-
-def features(chunks, token_bucket: int, seq_bucket: int) -> tuple[str, list[float]]:
-    """The step's regime ("decode" or "prefill") and its feature row, in DECODE_TERMS or PREFILL_TERMS order."""
-    work = attended(chunks) / 1000
-    if is_decode(chunks):
-        return "decode", [1.0, seq_bucket, work]
-    return "prefill", [1.0, token_bucket, seq_bucket, work]
-
-
-@dataclasses.dataclass(frozen=True)
-class CostModel:
-    decode: dict[str, float]  # DECODE_TERMS -> coefficient
-    prefill: dict[str, float]  # PREFILL_TERMS -> coefficient
-    host_s_per_step: float = 0.0  # the engine's work per step beside the runner's ...
-    host_s_per_seq: float = 0.0  # ... and per sequence the step runs
-    # How well each regime's fit matches its own measurements: rms and max relative error, rows.
-    fit_error: dict = dataclasses.field(default_factory=dict)
-
-    def device_seconds(self, chunks, token_bucket: int, seq_bucket: int) -> float:
-        kind, row = features(chunks, token_bucket, seq_bucket)
-        coefficients = self.decode if kind == "decode" else self.prefill
-        terms = DECODE_TERMS if kind == "decode" else PREFILL_TERMS
-        return sum(coefficients[t] * x for t, x in zip(terms, row))
-
-    def pricer(self, max_num_seqs: int, max_num_batched_tokens: int) -> Callable[[SimStep], float]:
-        """Seconds of a simulated step under these limits (the runner's default buckets for them):
-        `device_seconds` plus the host's share, inlined, as the search calls it for every step."""
-        buckets = Buckets.for_limits(max_num_batched_tokens, max_num_seqs)
-        token_bucket, seq_bucket = _lookup(buckets.tokens), _lookup(buckets.seqs)
-        d, p = self.decode, self.prefill
-        decode = (self.host_s_per_step + d["intercept_s"], d["per_seq_s"], d["per_1k_attended_s"] / 1000)
-        prefill = (self.host_s_per_step + p["intercept_s"], p["per_token_s"], p["per_seq_s"],
-                   p["per_1k_attended_s"] / 1000)
-        host_per_seq = self.host_s_per_seq
-
-        def step_seconds(step: SimStep) -> float:
-            tokens, work, only_decodes = 0, 0, True
-            for start, n in step.chunks:
-                tokens += n
-                work += n * start + n * (n + 1) // 2
-                only_decodes = only_decodes and n == 1
-            padding = step.num_padding_seqs  # static's finished members: a row and a token each
-            t, s = token_bucket[tokens + padding], seq_bucket[len(step.chunks) + padding]
-            work += padding
-            host = host_per_seq * len(step.chunks)
-            if only_decodes:
-                return host + decode[0] + decode[1] * s + decode[2] * work
-            return host + prefill[0] + prefill[1] * t + prefill[2] * s + prefill[3] * work
-        return step_seconds
-
-    def to_json(self) -> dict:
-        return {"decode": self.decode, "prefill": self.prefill, "host_s_per_step": self.host_s_per_step,
-                "host_s_per_seq": self.host_s_per_seq, "fit_error": self.fit_error,
-                "formula": "seconds = host_s_per_step + host_s_per_seq * seqs + intercept_s + per_token_s * "
-                           "token_bucket + per_seq_s * seq_bucket + per_1k_attended_s * attended / 1000 (decode "
-                           "steps: no per_token_s)"}
-
-    @classmethod
-    def from_json(cls, data: dict) -> "CostModel":
-        return cls(dict(data["decode"]), dict(data["prefill"]), float(data.get("host_s_per_step", 0.0)),
-                   float(data.get("host_s_per_seq", 0.0)), dict(data.get("fit_error", {})))
-
-
 @dataclasses.dataclass(frozen=True)
 class Timing:
     """One measured step: its sequences as (start, n) chunks, its bucket, its seconds."""
@@ -125,31 +144,39 @@ class Timing:
     seconds: float
 
 
-def fit(timings: list[Timing], host_s_per_step: float = 0.0, host_s_per_seq: float = 0.0) -> CostModel:
-    """The cost model by weighted non-negative least squares over the measured steps (see the
-    module docstring). Each regime needs more rows than terms, with the terms varying."""
+def _nnls_fit(x: np.ndarray, y: np.ndarray, kind: str) -> tuple[np.ndarray, dict]:
+    """Weighted non-negative least squares (weights 1 / y), and the fit's relative errors."""
     from scipy.optimize import nnls
 
-    rows = {"decode": [], "prefill": []}
-    for timing in timings:
-        kind, row = features(timing.chunks, timing.token_bucket, timing.seq_bucket)
-        rows[kind].append((row, timing.seconds))
-    coefficients, errors = {}, {}
-    for kind, terms in (("decode", DECODE_TERMS), ("prefill", PREFILL_TERMS)):
-        if len(rows[kind]) < len(terms) + 1:
-            raise ValueError(f"fitting the {kind} steps' cost needs at least {len(terms) + 1} measured steps of "
-                             f"that kind, got {len(rows[kind])}")
-        x = np.array([r for r, _ in rows[kind]], dtype=np.float64)
-        y = np.array([s for _, s in rows[kind]], dtype=np.float64)
-        if np.any(y <= 0):
-            raise ValueError(f"measured step times must be positive, got {y.min()}")
-        w = 1 / y  # relative errors: every row counts alike, whatever its size
-        # Columns scaled to unit size so the solver sees a well-conditioned system.
-        scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
-        solution, _ = nnls((x / scale) * w[:, None], y * w)
-        beta = solution / scale
-        coefficients[kind] = {t: float(b) for t, b in zip(terms, beta)}
-        relative = (x @ beta - y) / y
-        errors[kind] = {"rms_relative": float(np.sqrt(np.mean(relative ** 2))),
-                        "max_relative": float(np.max(np.abs(relative))), "rows": int(len(y))}
-    return CostModel(coefficients["decode"], coefficients["prefill"], host_s_per_step, host_s_per_seq, errors)
+    if np.any(y <= 0):
+        raise ValueError(f"measured step times must be positive, got {y.min()}")
+    if len(y) <= x.shape[1]:
+        raise ValueError(f"fitting the {kind} steps' cost needs more measured steps than its {x.shape[1]} terms, "
+                         f"got {len(y)}")
+    w = 1 / y  # relative errors: every row counts alike, whatever its size
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)  # columns of unit size: a well-conditioned system
+    solution, _ = nnls((x / scale) * w[:, None], y * w)
+    beta = solution / scale
+    relative = (x @ beta - y) / y
+    return beta, {"rms_relative": float(np.sqrt(np.mean(relative ** 2))),
+                  "max_relative": float(np.max(np.abs(relative))), "rows": int(len(y))}
+
+
+def fit(timings: list[Timing], host_s_per_step: float = 0.0, host_s_per_seq: float = 0.0) -> CostModel:
+    """The cost model by weighted non-negative least squares over the measured steps (see the
+    module docstring): one base per measured bucket, the attention and per-sequence terms shared."""
+    decode = [t for t in timings if is_decode(t.chunks)]
+    prefill = [t for t in timings if not is_decode(t.chunks)]
+    seq_buckets = sorted({t.seq_bucket for t in decode})
+    token_buckets = sorted({t.token_bucket for t in prefill})
+    x = np.array([[float(t.seq_bucket == b) for b in seq_buckets] + [attended(t.chunks) / 1000] for t in decode])
+    decode_beta, decode_error = _nnls_fit(x.reshape(len(decode), len(seq_buckets) + 1),
+                                          np.array([t.seconds for t in decode]), "decode")
+    x = np.array([[float(t.token_bucket == b) for b in token_buckets] + [t.seq_bucket, attended(t.chunks) / 1000]
+                  for t in prefill])
+    prefill_beta, prefill_error = _nnls_fit(x.reshape(len(prefill), len(token_buckets) + 2),
+                                            np.array([t.seconds for t in prefill]), "prefill")
+    return CostModel(dict(zip(seq_buckets, map(float, decode_beta))), float(decode_beta[-1]),
+                     dict(zip(token_buckets, map(float, prefill_beta))), float(prefill_beta[-2]),
+                     float(prefill_beta[-1]), host_s_per_step, host_s_per_seq,
+                     {"decode": decode_error, "prefill": prefill_error})

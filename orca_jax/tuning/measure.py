@@ -66,12 +66,14 @@ def plan_chunks(plan: StepPlan) -> tuple[tuple[int, int], ...]:
 
 
 def grid(token_buckets, seq_buckets, max_model_len: int) -> list[tuple[tuple[int, int], ...]]:
-    """The measured shapes, as chunk tuples (module docstring). Above 256 tokens a step is all
-    matmul and a prompt alone: the long-context and mixed shapes are taken below that, where they
-    are cheap to time."""
+    """The measured shapes, as chunk tuples (module docstring). Steps of the chunked policy under
+    load are mixed: a prompt chunk beside many decodes, so those are timed at every sequence bucket
+    for two token buckets; above 256 tokens a step is all matmul and a prompt alone: the
+    long-context and mixed shapes are taken below that, where they are cheap to time."""
     short, long = min(64, max_model_len // 8), min(512, max_model_len // 2)
     shapes = [((context, 1),) * s for s in seq_buckets for context in (short, long)]
     mixed_seqs = seq_buckets[len(seq_buckets) // 2]  # a middle sequence bucket
+    swept = [t for t in token_buckets if t <= 256][-2:]  # mixed steps at every sequence bucket
     for t in token_buckets:
         if t < 2:
             continue
@@ -80,10 +82,11 @@ def grid(token_buckets, seq_buckets, max_model_len: int) -> list[tuple[tuple[int
             continue
         if long + t <= max_model_len:
             shapes.append(((long, t),))  # a later chunk of a long prompt
-        decodes = min(mixed_seqs, t) - 1
-        if decodes > 0:
-            shapes.append(((short, 1),) * decodes + ((0, t - decodes),))
-    return shapes
+        for s in seq_buckets if t in swept else (mixed_seqs,):
+            decodes = min(s, t) - 1
+            if decodes > 0:
+                shapes.append(((short, 1),) * decodes + ((0, t - decodes),))
+    return list(dict.fromkeys(shapes))
 
 
 def time_plans(runner, plans: list[StepPlan], budget_s: float, min_rounds: int = 3,

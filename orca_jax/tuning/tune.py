@@ -352,11 +352,7 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(f"the workload's longest request has {workload.max_request_len} tokens (prompt + output), "
                          f"more than max_model_len={measurement['max_model_len']}: shorten it or raise --max-model-len")
     measured_s = time.perf_counter() - started
-    errors = model.fit_error
-    print(f"cost model ({measured_s:.0f} s): decode {_coefficients(model.decode)}; prefill "
-          f"{_coefficients(model.prefill)}; host {1000 * model.host_s_per_step:.1f} ms/step + "
-          f"{1000 * model.host_s_per_seq:.2f} ms/sequence; fit rms error decode "
-          f"{errors['decode']['rms_relative']:.0%}, prefill {errors['prefill']['rms_relative']:.0%}", file=sys.stderr)
+    print(f"cost model ({measured_s:.0f} s): {summary(model)}", file=sys.stderr)
 
     def pages_for(kv: int) -> int:
         from orca_jax.config import ConfigError
@@ -431,8 +427,22 @@ def _grouped(refused: list[tuple[str, str]]) -> dict[str, list[str]]:
     return groups
 
 
-def _coefficients(terms: dict) -> str:
-    return ", ".join(f"{name.removesuffix('_s')} {1000 * value:.2f} ms" for name, value in terms.items())
+def summary(model: CostModel) -> str:
+    """The cost model in one line: the step time at the smallest and largest buckets, the shared terms, the fit."""
+    def ms(seconds: float) -> str:
+        return f"{1000 * seconds:.{1 if seconds < 0.1 else 0}f} ms"
+
+    def ends(table: dict[int, float], unit: str) -> str:
+        lo, hi = min(table), max(table)
+        return f"{ms(table[lo])} at {lo} {unit} .. {ms(table[hi])} at {hi}"
+
+    errors = model.fit_error
+    return (f"decode {ends(model.decode_base_s, 'sequences')} + {1000 * model.decode_per_1k_attended_s:.2f} ms per "
+            f"1k positions attended; prefill {ends(model.prefill_base_s, 'tokens')} + "
+            f"{1000 * model.prefill_per_seq_s:.2f} ms per sequence + {1000 * model.prefill_per_1k_attended_s:.2f} ms "
+            f"per 1k attended; host {1000 * model.host_s_per_step:.1f} ms per step + "
+            f"{1000 * model.host_s_per_seq:.2f} ms per sequence; fit rms error decode "
+            f"{errors['decode']['rms_relative']:.0%}, prefill {errors['prefill']['rms_relative']:.0%}")
 
 
 def _outcome_json(o: Outcome) -> dict:

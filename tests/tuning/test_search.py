@@ -16,8 +16,9 @@ from orca_jax.tuning.workload import WorkloadSpec, workload_of_spec
 
 def decode_only(intercept: float, per_seq: float) -> CostModel:
     """Every step costs intercept + per_seq x its sequence bucket (attention free)."""
-    return CostModel({"intercept_s": intercept, "per_seq_s": per_seq, "per_1k_attended_s": 0.0},
-                     {"intercept_s": intercept, "per_token_s": 0.0, "per_seq_s": per_seq, "per_1k_attended_s": 0.0})
+    seqs = [2 ** i for i in range(8)]
+    return CostModel({s: intercept + per_seq * s for s in seqs}, 0.0,
+                     {t: intercept for t in (1, 4096)}, per_seq, 0.0)
 
 
 def ample_pages(kv: int) -> int:

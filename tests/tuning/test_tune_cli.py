@@ -64,8 +64,8 @@ def test_bad_arguments_name_the_problem(flags, message, capsys):
 
 
 def test_a_workload_longer_than_the_model_is_an_error_line(tmp_path, capsys):
-    measured = {"cost_model": {"decode": {"intercept_s": 0.01, "per_seq_s": 0.0, "per_1k_attended_s": 0.0},
-                               "prefill": {"intercept_s": 0.01, "per_token_s": 0.0, "per_seq_s": 0.0,
+    measured = {"cost_model": {"decode": {"base_s_by_seq_bucket": {"1": 0.01}, "per_1k_attended_s": 0.0},
+                               "prefill": {"base_s_by_token_bucket": {"1": 0.01}, "per_seq_s": 0.0,
                                            "per_1k_attended_s": 0.0}},
                 "kv_pages": {str(1 << 20): 128}, "max_model_len": 128, "page_size": 16}
     (tmp_path / "m.json").write_text(json.dumps(measured))
