@@ -88,19 +88,6 @@ def context_bytes(inputs) -> int:
     return int(positions[decodes].sum()) * num_kv_heads * head_dim * k_pages.dtype.itemsize * 2
 
 
-def copy_bandwidth(nbytes: int = 1 << 28, repeat: int = 5) -> float:
-    """Bytes per second a numpy copy of a large array moves (its reads plus its writes), best of
-    `repeat`: the machine's practical memory speed for one thread."""
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best
-
-
 def run_times(fn, args, repeat: int) -> list[float]:
     """Seconds of `repeat` calls of fn(*args), after a warm one."""
     jax.block_until_ready(fn(*args))
@@ -131,11 +118,6 @@ def timed_in_program(fn, args, calls: int, repeat: int) -> float:
 
     median = lambda n: float(np.median(run_times(program(n), args, repeat)))  # noqa: E731
     return (median(calls + 1) - median(1)) / calls
-
-
-def cpu_model() -> str:
-    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
 
 
 def main() -> None:
@@ -173,8 +155,8 @@ def main() -> None:
         impls = {name: fn for name, fn in impls.items() if name.startswith(tuple(args.impls))}
     reference = jax.jit(lambda *a: ragged_paged_attention_reference(*a, sm_scale=scale))
     tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-4
-    copy_gbps = copy_bandwidth() / 1e9
-    print(f"{cpu_model()}; memory: a numpy copy moves {copy_gbps:.1f} GB/s (reads + writes, one thread); "
+    copy_gbps = machine.copy_bandwidth() / 1e9
+    print(f"{machine.cpu_name()}; memory: a numpy copy moves {copy_gbps:.1f} GB/s (reads + writes, one thread); "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     if backend == "cpu" and unavailable_reason(native_cache_dir()) is None:
         print(f"native variants: {', '.join(native.supported_isas())}; {native.isa()} runs by default here "
@@ -200,7 +182,7 @@ def main() -> None:
                   f"{'ok' if row['correct'] else 'WRONG'}{read}", flush=True)
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine.describe(), "backend": backend, "cpu": cpu_model(), "jax": jax.__version__, "shape": shape,
+    out.write_text(json.dumps({"machine": machine.describe(), "backend": backend, "cpu": machine.cpu_name(), "jax": jax.__version__, "shape": shape,
                                "dtype": str(jnp.dtype(dtype)), "chained": args.chained, "copy_gb_per_s": copy_gbps, "load_average": os.getloadavg(), "rows": rows},
                               indent=2) + "\n")
     print(f"saved {out}")

@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # is on sys.path, the current directory is not).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import machine  # noqa: E402
-from bench_single_stream import copy_bandwidth, cpu_model  # noqa: E402
 
 from orca_jax.model.backends import native_cache_dir  # noqa: E402
 from pallas_kernels import native  # noqa: E402
@@ -92,8 +91,8 @@ def main() -> None:
         sys.exit(f"native kernels unavailable: {reason}")
     mats = weights(args.format, args.layers, np.random.default_rng(0))
     nbytes = sum(d.nbytes for d, _ in mats)
-    bandwidth = copy_bandwidth()
-    print(f"{cpu_model()}; numpy copies {bandwidth / 1e9:.1f} GB/s; {args.format}, {args.layers} layers "
+    bandwidth = machine.copy_bandwidth()
+    print(f"{machine.cpu_name()}; numpy copies {bandwidth / 1e9:.1f} GB/s; {args.format}, {args.layers} layers "
           f"({nbytes / 1e6:.1f} MB of weights)")
     native_fn, xla_fn = program(qm.quantized_matmul_native, args.format), program(qm.quantized_matmul_xla, args.format)
     xla_mats = mats
@@ -117,7 +116,7 @@ def main() -> None:
         print(f"T={tokens:4d}  {cells}  xla {row['xla_ms']:7.2f} ms  xla/{isas[0]} "
               f"{row['xla_ms'] / row[f'{isas[0]}_ms']:.2f}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine.describe(), "cpu": cpu_model(), "format": args.format, "layers": args.layers,
+    args.out.write_text(json.dumps({"machine": machine.describe(), "cpu": machine.cpu_name(), "format": args.format, "layers": args.layers,
                                     "weight_bytes": nbytes, "copy_bytes_per_s": bandwidth, "isas": list(isas),
                                     "default_isa": chosen, "load_average": os.getloadavg(), "rows": rows}, indent=1))
     print(f"saved {args.out}")

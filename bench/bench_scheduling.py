@@ -8,11 +8,11 @@ For each workload (all requests queued at once; each generates exactly max_token
 each policy (static, orca, paged, chunked; chunked with prefix caching on workloads that share a
 prompt prefix), one engine is built on the one shared runner, so every policy runs the same compiled
 buckets. Per policy it reports generated tokens/s, wall time, iterations of the engine beside those
-of the simulation (bench/simulate.py), batch occupancy, static's wasted decode slots, latency
+of the simulation (orca_jax/tuning/simulate.py), batch occupancy, static's wasted decode slots, latency
 percentiles and preemptions.
 
 Prediction. Before the runs, the step time of every compiled (tokens, sequences) shape is measured
-here, plus the cost of cached context (bench/simulate.py, StepTimeModel). The simulated steps of each
+here, plus the cost of cached context (orca_jax/tuning/simulate.py, StepTimeModel). The simulated steps of each
 policy priced by that model give a predicted wall time; static's predicted wall over each iteration-
 level policy's is the throughput ratio the engine should reach, printed beside the achieved ratio.
 
@@ -41,15 +41,6 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from simulate import (
-    SimConfig,
-    SimResult,
-    StepTimeModel,
-    ideal_ratio,
-    occupancy,
-    predicted_wall_s,
-    simulate,
-)
 import machine
 from stats import percentiles
 from workloads import WorkloadSpec, build_workload, describe, named_spec, save_jsonl, workload_lengths
@@ -59,8 +50,17 @@ from orca_jax.config import SchedulerConfig
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.runner.model_runner import RunnerStats
 from orca_jax.engine.step_plan import StepPlan
-from orca_jax.tuning.measure import chunks_plan
+from orca_jax.tuning.measure import chunks_plan, time_plans
 from orca_jax.model.paged_attention import PAGES_PER_BLOCK
+from orca_jax.tuning.simulate import (
+    SimConfig,
+    SimResult,
+    StepTimeModel,
+    ideal_ratio,
+    occupancy,
+    predicted_wall_s,
+    simulate,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # name -> (scheduling policy, prefix caching)
@@ -170,24 +170,6 @@ def step_plan(runner, num_tokens: int, num_seqs: int, context: int) -> StepPlan:
                                 for row in range(num_seqs)])
 
 
-def time_steps(runner, shapes: list[tuple[int, int, int]], rounds: int = 5) -> list[float]:
-    """Seconds of the runner's step (dispatch, compute, result copy) for each (tokens, sequences,
-    context) shape: the fastest of `rounds` runs, taken round-robin over the shapes, so a burst of
-    other work on a shared CPU (which only ever adds time) spoils one round rather than one shape."""
-    prepared = []
-    for num_tokens, num_seqs, context in shapes:
-        plan = step_plan(runner, num_tokens, num_seqs, context)
-        jax.device_get(runner.run_plan(plan))  # the first call of a shape may still load it from the compile cache
-        prepared.append(plan)
-    best = [float("inf")] * len(shapes)
-    for _ in range(rounds):
-        for i, plan in enumerate(prepared):
-            start = time.perf_counter()
-            jax.device_get(runner.run_plan(plan))
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best
-
-
 def measure_step_times(runner, max_num_seqs: int, contexts: tuple[int, ...]) -> tuple[StepTimeModel, dict]:
     """The step-time model: every bucket with nothing cached, and decode steps at batch 1, 2, 4, ...,
     max_num_seqs over each cached context, whose excess over their bucket's base fits the cost of one
@@ -200,7 +182,9 @@ def measure_step_times(runner, max_num_seqs: int, contexts: tuple[int, ...]) -> 
     batch_sizes.append(max_num_seqs)
     pairs = buckets.pairs()
     decodes = [(c, b) for c in contexts for b in batch_sizes]
-    seconds = time_steps(runner, [(t, s, 0) for t, s in pairs] + [(b, b, c) for c, b in decodes])
+    shapes = [(t, s, 0) for t, s in pairs] + [(b, b, c) for c, b in decodes]
+    # The median of 5 rounds taken round-robin over the shapes (as `orca-jax tune` times its grid).
+    seconds = time_plans(runner, [step_plan(runner, *shape) for shape in shapes], budget_s=0, min_rounds=5)
     base = dict(zip(pairs, seconds))
     block_tokens = PAGES_PER_BLOCK * runner.page_size
     points = []  # (context, measured seconds, bucket base seconds, rows x context blocks)

@@ -24,7 +24,6 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -136,32 +135,14 @@ def capacity(rows: list[dict], target_s_per_token: float) -> float:
 
 # ---- one server per policy -------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 900) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with {process.returncode} before becoming ready")
-            try:
-                async with session.get(url + "/health") as response:
-                    if response.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.5)
-    raise TimeoutError(f"{url} was not healthy within {timeout} s")
-
-
 async def first_model(url: str) -> str:
     async with aiohttp.ClientSession() as session:
         async with session.get(url + "/v1/models") as response:
             return (await response.json())["data"][0]["id"]
+
+
+def server_log(policy: str) -> Path:
+    return RESULTS / f"serving_{policy}.log"
 
 
 def start_server(policy: str, port: int, args: argparse.Namespace) -> subprocess.Popen:
@@ -169,7 +150,7 @@ def start_server(policy: str, port: int, args: argparse.Namespace) -> subprocess
                "--port", str(port), "--served-model-name", "bench", "--max-num-seqs", str(args.max_num_seqs),
                "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-queued-requests", "100000",
                "--quantization", args.quantization] + ([] if args.async_scheduling else ["--no-async-scheduling"])
-    with open(RESULTS / f"serving_{policy}.log", "w") as log:  # the child keeps its own copy of the handle
+    with open(server_log(policy), "w") as log:  # the child keeps its own copy of the handle
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -236,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     from orca_jax.checkpoint.convert import ensure_pulled
     from orca_jax.checkpoint.store import resolve_checkpoint_dir
     from orca_jax.tokenizer import Tokenizer
+    from orca_jax.tuning.loadgen import free_port, wait_ready
 
     if args.workload_file:
         workload = load_jsonl(args.workload_file)
@@ -255,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             process = start_server(policy, port, args)
-            asyncio.run(wait_healthy(url, process))
+            asyncio.run(wait_ready(url, process, 900, server_log(policy)))
         try:
             model = "bench" if policy else (args.served_model or asyncio.run(first_model(url)))
             rows = asyncio.run(sweep(url, model, workload, args, label))

@@ -21,12 +21,9 @@ import argparse
 import collections
 import gc
 import json
-import platform
-import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 import machine
 from orca_jax import LLM, SamplingParams
@@ -34,31 +31,6 @@ from orca_jax.config import DEFAULT_MODEL, MATMUL_IMPL_CHOICES, QUANTIZATION_CHO
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle. " * 5
-
-
-def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 10) -> float:
-    """Bytes read + written per second by a warm numpy copy (the yardstick of bench_throughput)."""
-    a, b = np.ones(nbytes // 4, np.float32), np.ones(nbytes // 4, np.float32)
-    np.copyto(b, a)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        np.copyto(b, a)
-    return 2 * nbytes * repeats / (time.perf_counter() - start)
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
-def native_isa() -> str:
-    from orca_jax.model.backends import native_unavailable
-    from pallas_kernels import native
-
-    reason = native_unavailable()
-    return native.isa() if reason is None else f"unavailable ({reason})"
 
 
 def measure(model: str, quantization: str, matmul_impl: str, async_scheduling: bool, max_num_seqs: int,
@@ -99,8 +71,8 @@ def main() -> None:
                         help="a preset name or checkpoint folder (e.g. one `orca-jax convert` made of a Q4_K_M GGUF)")
     args = parser.parse_args()
 
-    bandwidth = copy_bandwidth()
-    print(f"{cpu_model()}, native kernels: {native_isa()} variant; numpy copies {bandwidth / 1e9:.1f} GB/s", flush=True)
+    bandwidth = machine.copy_bandwidth()
+    print(f"{machine.cpu_name()}, native kernels: {machine.native_isa()} variant; numpy copies {bandwidth / 1e9:.1f} GB/s", flush=True)
     modes = {}
     for quantization in args.quantization:
         for matmul_impl in args.matmul_impl:
@@ -111,7 +83,7 @@ def main() -> None:
                                       args.runs, bandwidth)
                 gc.collect()  # the previous engine's weights and KV pages go before the next one's
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine.describe(), "model": str(args.model), "cpu": cpu_model(), "native_isa": native_isa(), "max_num_seqs": args.max_num_seqs,
+    args.out.write_text(json.dumps({"machine": machine.describe(), "model": str(args.model), "cpu": machine.cpu_name(), "native_isa": machine.native_isa(), "max_num_seqs": args.max_num_seqs,
                                     "copy_bytes_per_s": bandwidth, "quantization": modes}, indent=1))
     print(f"saved {args.out}")
 

@@ -103,24 +103,11 @@ def decode_flops(llm: LLM, num_seqs: int, context: int) -> dict:
     }
 
 
-def copy_bandwidth() -> float:
-    """Bytes moved per second (read + write) by numpy copying a 1 GiB float32 array: the machine's
-    memory speed, against which the attention's read of cached K/V is judged."""
-    source = np.ones(1 << 28, np.float32)
-    target = np.empty_like(source)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        np.copyto(target, source)
-        best = min(best, time.perf_counter() - start)
-    return 2 * source.nbytes / best
-
-
 def cached_context_cost(short: dict, long: dict) -> dict:
     extra_s = (long["step_ms"] - short["step_ms"]) / 1000
     return {"ratio": long["step_ms"] / short["step_ms"], "extra_ms": 1000 * extra_s,
             "kv_read_bytes": long["kv_read_bytes"], "effective_gb_s": long["kv_read_bytes"] / max(extra_s, 1e-9) / 1e9,
-            "copy_gb_s": copy_bandwidth() / 1e9}
+            "copy_gb_s": machine.copy_bandwidth() / 1e9}
 
 
 def main() -> None:
@@ -159,7 +146,7 @@ def main() -> None:
     c = results["cached_context"]
     print(f"cached context: the 256-token step costs {c['ratio']:.2f}x the 1-token one; its extra "
           f"{c['extra_ms']:.1f} ms read {c['kv_read_bytes'] / 1e6:.0f} MB of K/V = {c['effective_gb_s']:.1f} GB/s "
-          f"(this machine copies {c['copy_gb_s']:.1f} GB/s: read + write of a 1 GiB array)")
+          f"(this machine copies {c['copy_gb_s']:.1f} GB/s: read + write, machine.copy_bandwidth)")
     results["compilations_after_warmup"] = llm.num_compilations_after_warmup
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")

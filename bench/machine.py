@@ -4,6 +4,7 @@ Every bench script stores `describe()` as "machine" in its result file: the CPU 
 generation where /proc/cpuinfo only says "AMD EPYC"), its vector extensions, the native kernels'
 instruction-set variant, the jax version, the date and the commit. A file copied into
 bench/results/latest/ then carries everything docs/performance.md prints beside its figures.
+`copy_bandwidth()` is the memory speed every bench's "% of memory speed" figure is measured against.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import datetime
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +69,24 @@ def native_isa() -> str:
         return f"unknown ({error})"
     reason = native.unavailable_reason(native_cache_dir())
     return native.isa() if reason is None else f"unavailable ({reason})"
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, repeat: int = 5) -> float:
+    """Bytes per second a warm numpy copy of a large float32 array moves (its reads plus its writes),
+    best of `repeat`: the machine's practical memory speed for one thread, and the one yardstick
+    every bench's "% of memory speed" is measured against (the best copy, since on cores shared with
+    other jobs the others only ever add time)."""
+    import numpy as np
+
+    source = np.ones(nbytes // 4, np.float32)
+    target = np.empty_like(source)
+    np.copyto(target, source)  # touch the pages once, outside the timing
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        np.copyto(target, source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.nbytes / best
 
 
 def commit() -> str:

@@ -59,7 +59,7 @@ def running_server(config: Path, log: Path, ready_timeout_s: float = 900.0) -> I
                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        asyncio.run(_wait_ready(url, process, ready_timeout_s, log))
+        asyncio.run(wait_ready(url, process, ready_timeout_s, log))
         yield url
     finally:
         process.send_signal(signal.SIGTERM)
@@ -70,7 +70,9 @@ def running_server(config: Path, log: Path, ready_timeout_s: float = 900.0) -> I
             process.wait()
 
 
-async def _wait_ready(url: str, process: subprocess.Popen, timeout_s: float, log: Path) -> None:
+async def wait_ready(url: str, process: subprocess.Popen, timeout_s: float, log: Path) -> None:
+    """Returns once the server at `url` answers /health 200 with every program's first run done;
+    raises RuntimeError naming `log` if `process` exits first or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:

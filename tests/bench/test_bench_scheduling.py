@@ -5,10 +5,10 @@ model measured without a recompile, plots small enough to commit."""
 import random
 
 import pytest
-from simulate import POLICIES, SimConfig, simulate
 from workloads import WorkloadRequest
 
 from orca_jax.config import REPO_ROOT
+from orca_jax.tuning.simulate import POLICIES, SimConfig, simulate
 
 
 @pytest.fixture(scope="module")

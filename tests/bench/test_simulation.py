@@ -1,4 +1,4 @@
-"""The scheduling simulation (bench/simulate.py) against the real engine: the same workload must
+"""The scheduling simulation (orca_jax/tuning/simulate.py) against the real engine: the same workload must
 give the same iterations, step by step, for every policy -- with the mock runner over many seeded
 workloads and regimes (milliseconds), and once with the trained tiny model."""
 
@@ -6,15 +6,6 @@ import dataclasses
 import random
 
 import pytest
-from simulate import (
-    POLICIES,
-    SimConfig,
-    SimStep,
-    StepTimeModel,
-    ideal_ratio,
-    predicted_wall_s,
-    simulate,
-)
 from workloads import WorkloadSpec, sample_lengths
 
 from orca_jax.config import (
@@ -25,6 +16,15 @@ from orca_jax.config import (
 )
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.sampling_params import SamplingParams
+from orca_jax.tuning.simulate import (
+    POLICIES,
+    SimConfig,
+    SimStep,
+    StepTimeModel,
+    ideal_ratio,
+    predicted_wall_s,
+    simulate,
+)
 
 from ..engine.conftest import make_engine as make_tiny_engine
 from ..conftest import warm_tiny_runner
