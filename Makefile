@@ -52,11 +52,12 @@ test: setup pull
 	$(BIN)/python -m pytest -q tests
 
 # The edit loop's subset: the tiny models only (no SmolLM2: `slow`), in this one process (no CLI
-# runs, servers, multi-host jobs: `multiprocess`; markers set by tests/conftest.py). `make test`
-# stays the whole suite.
+# runs, servers, multi-host jobs: `multiprocess`), without the modules that compile engines in many
+# configurations or Pallas in interpret mode (`heavy`); markers set by tests/conftest.py. `make
+# test` stays the whole suite.
 .PHONY: test-fast
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow and not multiprocess and not installed and not gpu" tests
+	$(BIN)/python -m pytest -q -m "not slow and not multiprocess and not heavy and not installed and not gpu" tests
 
 # The documentation site (site/): README's headline table in step with bench/results/latest/,
 # `mkdocs build --strict` (a broken link or anchor, a page left out fails it), then every example

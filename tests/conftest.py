@@ -56,17 +56,34 @@ def gpu_devices() -> list:
         return []
 
 
+# Tiny-model modules that compile an engine or runner in many configurations (draft models, tp x pp
+# layouts, every HF family, every matmul backend and bucket set, speculation on and off): together
+# about two thirds of the time of the tests that are neither `slow` nor `multiprocess`. `make test`
+# runs them; `make test-fast`, the edit loop's subset, leaves them out (`heavy`), as it leaves out
+# the Pallas kernels in interpret mode (the native kernel is what runs on a CPU).
+# tests/test_suite_platforms.py fails when a name here is no longer a test module.
+HEAVY_MODULES = frozenset({
+    "test_draft_model_engine", "test_parallel_engine", "test_hf_families", "test_matmul_impl",
+    "test_small_buckets", "test_speculative_engine", "test_dummy_weights", "test_engine_pallas",
+    "test_engine_bfloat16", "test_kquant_serving", "test_program_keys", "test_rejection_sampling",
+    "test_speculative_config",
+})
+
+
 def pytest_collection_modifyitems(config, items):
     """Markers `make test-fast` selects on, set here so a new test gets them without asking: a test
     that uses a SmolLM2 fixture is `slow`; a test in a module that imports subprocess or
-    multiprocessing (CLI runs, servers, multi-host jobs, compilers) is `multiprocess`. `gpu` tests
-    need a GPU: without one they are skipped with the reason (reported as not run, never as passed)."""
+    multiprocessing (CLI runs, servers, multi-host jobs, compilers) is `multiprocess`; a test in one
+    of HEAVY_MODULES or running a Pallas kernel in interpret mode is `heavy`. `gpu` tests need a
+    GPU: without one they are skipped with the reason (reported as not run, never as passed)."""
     for item in items:
         if any("smollm2" in name for name in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
         module = vars(item.module) if getattr(item, "module", None) else {}
         if "subprocess" in module or "multiprocessing" in module:
             item.add_marker(pytest.mark.multiprocess)
+        if module.get("__name__", "").rpartition(".")[2] in HEAVY_MODULES or "pallas-interpret" in item.name:
+            item.add_marker(pytest.mark.heavy)
     if gpu_devices():
         return
     skip = pytest.mark.skip(reason=f"needs a GPU; this machine has only {jax.default_backend()} devices "

@@ -6,6 +6,7 @@ import importlib.metadata
 import importlib.util
 import os
 import types
+from pathlib import Path
 
 import jax
 import pytest
@@ -31,3 +32,10 @@ def test_cuda_joins_only_with_a_plugin_and_a_device(monkeypatch, plugins, device
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # no jax_plugins namespace either
     monkeypatch.setattr(glob, "glob", lambda pattern: device_files if pattern.startswith("/dev/nvidia") else [])
     assert conftest._accelerator_platforms() == want
+
+
+def test_every_heavy_module_named_is_a_test_module():
+    """A renamed or deleted module left in HEAVY_MODULES would silently put its heavy successor back
+    into `make test-fast`."""
+    tests = {path.stem for path in Path(conftest.__file__).parent.rglob("test_*.py")}
+    assert sorted(conftest.HEAVY_MODULES - tests) == []
