@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, Protocol, Sequence
 import numpy as np
 
 from orca_jax.engine.request import Request
-from orca_jax.engine.scheduler import SchedulerOutput
+from orca_jax.engine.step_state import SchedulerOutput
 from orca_jax.engine.step_tokens import SampledToken, StepTokens
 from orca_jax.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_IDS
 from orca_jax.step_metadata import SamplingMetadata, SpeculationMetadata

@@ -31,7 +31,8 @@ _PLAN_ARRAYS = ("token_ids", "token_source", "positions", "segment_ids", "slot_m
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingMetadata))
 # A speculating runner's plans also carry these (all of them, or none); not the block tables, which
 # a plan holds once (StepPlan.block_tables, above) and the runner adds to the device's copy.
-_SPECULATION_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculationMetadata) if f.name != "block_tables")
+_SPECULATION_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculationMetadata)
+                            if f.name != "block_tables")
 # Fields a process that does not hold the last stage never reads: the [S, V] penalty arrays.
 _LAST_STAGE_ONLY = frozenset({"output_counts", "seen_tokens"})
 # The padding value of each trimmed table (step_plan.padding_plan / sampling_arrays fill them so).
