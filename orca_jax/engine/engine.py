@@ -11,13 +11,13 @@ scheduler found work for it; it waits only for the oldest iteration's result, wh
 full or nothing else can be scheduled. The steps in flight have one record, `self.in_flight`
 (step_state.StepsInFlight, shared with the scheduler as the KV manager is): pushed after dispatch,
 the oldest popped before collect. Under a pipeline a request is in at most one iteration in flight
-(the scheduler skips those the record holds). With one stage and async scheduling (scheduler.py) two steps are in
-flight the same way, the newer one continuing the older one's requests on tokens the runner feeds
-on the device; without it every step dispatches and collects at once.
+(the scheduler skips those the record holds). With one stage and async scheduling (scheduler.py)
+two steps are in flight the same way, the newer one continuing the older one's requests on tokens
+the runner feeds on the device; without it every step dispatches and collects at once.
 
 A step's new tokens are appended to its requests here, once, one at a time (`_update`): a stop
-among them (an accepted draft, or a token after which a stop string completes) ends the request
-there and drops the rest.
+among them (a stop token or string, or max_tokens reached) ends the request there and drops the
+rest.
 """
 
 from __future__ import annotations

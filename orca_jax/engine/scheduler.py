@@ -29,10 +29,10 @@ The policies (docs/design.md, "The policies"):
 Under pipeline parallelism the engine keeps several steps in flight, recorded in one place
 (`StepsInFlight`, step_state.py, which the scheduler reads as `self.in_flight`); a request in one of
 them is skipped until its result is back, and is never chosen as a victim (a dispatched step is
-writing its pages). Each step thus plans the requests the others do not hold,
-at most `max_seqs_per_step` of them (Orca's batches for its n_workers: the running requests split
-into about pp batches that take turns in the pipeline; without the cap the first step would take
-them all and the other stages would idle).
+writing its pages). Each step thus plans the requests the others do not hold, at most
+`max_seqs_per_step` of them (Orca's batches for its n_workers: the running requests split into about
+pp batches that take turns in the pipeline; without the cap the first step would take them all and
+the other stages would idle).
 
 Async scheduling (vLLM's `async_scheduling`, one stage only): the next step is planned and
 dispatched while the current one computes, so the host's work (planning, building the plan,
