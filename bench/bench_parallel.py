@@ -139,7 +139,7 @@ def run_layout(llm, lengths: list[tuple[int, int]]) -> dict:
         "tokens_per_s": engine.num_generated_tokens / wall,
         "wall_s": wall,
         "steps": engine.num_steps,
-        "in_flight_depths": dict(sorted(engine.in_flight_depths.items())),
+        "in_flight_depths": dict(sorted(engine.in_flight.depths.items())),
         "common_bucket": list(common),
         "stage_ms": [1000 * t for t in stage_seconds[common]],
         "bubble": [max(0.0, 1 - b / wall) for b in busy],

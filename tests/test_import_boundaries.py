@@ -17,7 +17,7 @@ NO_JAX_MODULES = sorted(
 ) + [
     "orca_jax.config", "orca_jax.tokenizer", "orca_jax.cli", "orca_jax.sampling_params", "orca_jax.outputs",
     "orca_jax.sizes", "orca_jax.llm", "orca_jax.parallel.layout", "orca_jax.parallel.plan_cli",
-    "orca_jax.parallel.multihost", "orca_jax.parallel.plan_codec",
+    "orca_jax.parallel.multihost", "orca_jax.parallel.plan_codec", "orca_jax.step_metadata",
 ]
 
 BLOCK_JAX = """

@@ -8,10 +8,16 @@ one request per sample) and the loop. Pure Python.
 Batches in flight (Orca's n_workers): with a pipelined runner (`runner.max_in_flight` > 1) a step
 dispatches a new iteration and returns without waiting while the pipeline has room and the
 scheduler found work for it; it waits only for the oldest iteration's result, when the pipeline is
-full or nothing else can be scheduled. A request is in at most one iteration in flight (the
-scheduler skips `request.in_flight`). With one stage and async scheduling (scheduler.py) two
-steps are in flight the same way, the newer one continuing the older one's requests on tokens the
-runner feeds on the device; without it every step dispatches and collects at once.
+full or nothing else can be scheduled. The steps in flight have one record, `self.in_flight`
+(step_state.StepsInFlight, shared with the scheduler as the KV manager is): pushed after dispatch,
+the oldest popped before collect. Under a pipeline a request is in at most one iteration in flight
+(the scheduler skips those the record holds). With one stage and async scheduling (scheduler.py)
+two steps are in flight the same way, the newer one continuing the older one's requests on tokens
+the runner feeds on the device; without it every step dispatches and collects at once.
+
+A step's new tokens are appended to its requests here, once, one at a time (`_update`): a stop
+among them (a stop token or string, or max_tokens reached) ends the request there and drops the
+rest.
 """
 
 from __future__ import annotations
@@ -19,15 +25,15 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections import Counter, deque
 
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.engine.detokenizer import IncrementalDetokenizer
 from orca_jax.engine.kv_manager import KVCacheManager
 from orca_jax.engine.output_processor import OutputProcessor, RequestGroup, Sample
 from orca_jax.engine.request import Request, RequestStatus
-from orca_jax.engine.scheduler import SchedulerOutput, make_scheduler
+from orca_jax.engine.scheduler import make_scheduler
 from orca_jax.engine.speculation import DraftPolicy
+from orca_jax.engine.step_state import SchedulerOutput, StepsInFlight
 from orca_jax.engine.step_plan import Runner, RunnerLost, StepTokens, build_step_plan
 from orca_jax.engine.structured_output import GrammarCompiler, GrammarError
 from orca_jax.outputs import RequestMetrics, RequestOutput
@@ -63,22 +69,17 @@ class LLMEngine:
         self.max_model_len = max_model_len or model_config.max_position
         self.runner = runner
         self.kv = KVCacheManager(runner.kv_layout.num_pages, config.cache.page_size, config.cache.enable_prefix_caching)
-        # With a pipeline of depth d, each step takes about 1/d of the running requests.
-        per_step = -(-config.scheduler.max_num_seqs // runner.max_in_flight)
         # Speculative decoding needs a runner that proposes as many drafts (built for the same config).
         spec = config.speculative_config
         if spec is not None and spec.num_speculative_tokens != runner.kv_layout.num_speculative_tokens:
             raise ValueError(f"speculative_config asks for {spec.num_speculative_tokens} draft tokens but the runner "
                              f"was built for {runner.kv_layout.num_speculative_tokens}; build both from one config")
         self.drafts = None if spec is None else DraftPolicy(spec)
-        # Async scheduling: one stage, a runner that feeds sampled tokens, and no draft model (its
-        # drafts come from a program of its own after each step; n-gram drafts hold back only the
-        # steps that verify them: scheduler.py)
-        self.plans_ahead = (config.scheduler.async_scheduling and runner.max_in_flight == 1
-                            and (spec is None or spec.method == "ngram") and runner.feeds_sampled_tokens)
-        self.max_in_flight = 2 if self.plans_ahead else runner.max_in_flight  # steps dispatched at once
-        self.scheduler = make_scheduler(config.scheduler, self.kv, max_seqs_per_step=per_step, drafts=self.drafts,
-                                        max_model_len=self.max_model_len, plans_ahead=self.plans_ahead)
+        # The one record of the steps dispatched and not yet collected (step_state.py), which also
+        # decides how many there may be and whether the scheduler plans ahead (async scheduling).
+        self.in_flight = StepsInFlight.for_engine(config, runner.max_in_flight, runner.feeds_sampled_tokens)
+        self.scheduler = make_scheduler(config.scheduler, self.kv, self.in_flight, drafts=self.drafts,
+                                        max_model_len=self.max_model_len)
         self.output_processor = OutputProcessor(tokenizer, self.max_model_len)
         self._released_by_abort: dict[str, RequestGroup] = {}  # static batches completed by an abort
         self._ids = itertools.count()
@@ -86,8 +87,6 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.last_step_num_tokens = 0  # tokens computed by the latest step (prompt chunks and decodes)
         self.step_time_s = 0.0  # wall time inside step(), host work and device work together
-        self.in_flight: deque[tuple[SchedulerOutput, object]] = deque()  # dispatched, oldest first
-        self.in_flight_depths: Counter[int] = Counter()  # iterations in flight right after each dispatch
         self.grammars = None if tokenizer is None else GrammarCompiler(
             tokenizer, model_config.vocab_size, config.structured_outputs.disable_additional_properties)
 
@@ -206,13 +205,13 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         touched, self._released_by_abort = self._released_by_abort, {}
         dispatched = False
-        if len(self.in_flight) < self.max_in_flight:
+        if self.in_flight.has_room:
             scheduled = self.scheduler.schedule()
             if not scheduled.empty:
                 self._dispatch(scheduled)
                 dispatched = True
         # Keep filling the pipeline while it has room and work; otherwise wait for the oldest step.
-        if self.in_flight and not (dispatched and len(self.in_flight) < self.max_in_flight):
+        if self.in_flight and not (dispatched and self.in_flight.has_room):
             scheduled, sampled = self._collect_oldest()
             self._update(scheduled, sampled, touched)
         return self.output_processor.outputs(touched)
@@ -225,15 +224,10 @@ class LLMEngine:
             raise  # not this step's fault: nothing can run any more
         except Exception as error:
             raise self._step_failed(scheduled, error) from error
-        for planned in scheduled.scheduled:
-            planned.request.in_flight += 1
-        self.in_flight.append((scheduled, pending))
-        self.in_flight_depths[len(self.in_flight)] += 1
+        self.in_flight.push(scheduled, pending)
 
     def _collect_oldest(self) -> tuple[SchedulerOutput, dict[str, StepTokens]]:
-        scheduled, pending = self.in_flight.popleft()
-        for planned in scheduled.scheduled:
-            planned.request.in_flight -= 1
+        scheduled, pending = self.in_flight.pop_oldest()
         try:
             sampled = self.runner.collect(pending)
         except RunnerLost:
@@ -244,17 +238,15 @@ class LLMEngine:
 
     def _update(self, scheduled: SchedulerOutput, sampled: dict[str, StepTokens],
                 touched: dict[str, RequestGroup]) -> None:
-        """Advances the step's requests, records their tokens and finishes those that are done."""
+        """Advances the step's requests, appends their tokens and finishes those that are done."""
         self.num_steps += 1
         self.last_step_num_tokens = scheduled.num_batched_tokens
         advanced = self.scheduler.update_after_step(scheduled, sampled)
         for request in advanced:
             group, sample = self.output_processor.sample(request.request_id)
-            new = sampled[request.request_id].tokens
             # Taken in one at a time, as if generated one per step: a stop among accepted drafts
             # ends the request there, and the tokens after it are dropped.
-            del request.output_token_ids[len(request.output_token_ids) - len(new):]
-            for token in new:
+            for token in sampled[request.request_id].tokens:
                 request.output_token_ids.append(token.token)
                 self.num_generated_tokens += 1
                 self.output_processor.record(sample, token)

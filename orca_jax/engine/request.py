@@ -47,10 +47,6 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)  # KV page ids, in order
     stop_reason: int | str | None = None  # the stop token or stop string that ended it
-    # Dispatched steps holding this request whose results are not back yet: 0 or 1, or 2 when
-    # async scheduling planned its next step ahead of the one in flight (scheduler.py)
-    in_flight: int = 0
-    step_in_flight: Any = None  # the scheduler's ScheduledRequest of its newest step in flight
     grammar: Any = None  # structured_output.Grammar when the output is constrained: its state after the outputs
     # Speculative decoding: drafts the device proposed after this request's latest step (its next
     # step may verify some of them), and the record of how its drafts fared.

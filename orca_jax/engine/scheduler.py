@@ -8,7 +8,8 @@ in the config's choice list (`config.SCHEDULING_POLICIES`).
 One call plans one forward pass: which requests take part and how many of their tokens are computed
 (1 for a decode, a whole prompt or a chunk of it for a prefill), under `max_num_seqs` requests and
 `max_num_batched_tokens` tokens. After the runner has executed the plan, `update_after_step()`
-advances the requests; the engine then decides which have finished and calls `finish()`.
+advances the requests (computed tokens, pages, drafts); the engine then appends their new tokens,
+decides which have finished and calls `finish()`.
 
 The policies (docs/design.md, "The policies"):
 
@@ -25,12 +26,13 @@ The policies (docs/design.md, "The policies"):
 - chunked (Sarathi-Serve): like paged, but decodes are scheduled first and prompts are split into
   chunks that fill the rest of the token budget.
 
-Under pipeline parallelism the engine keeps several steps in flight; a request in one of them
-(`request.in_flight`) is skipped until its result is back, and is never chosen as a victim (a
-dispatched step is writing its pages). Each step thus plans the requests the others do not hold,
-at most `max_seqs_per_step` of them (Orca's batches for its n_workers: the running requests split
-into about pp batches that take turns in the pipeline; without the cap the first step would take
-them all and the other stages would idle).
+Under pipeline parallelism the engine keeps several steps in flight, recorded in one place
+(`StepsInFlight`, step_state.py, which the scheduler reads as `self.in_flight`); a request in one of
+them is skipped until its result is back, and is never chosen as a victim (a dispatched step is
+writing its pages). Each step thus plans the requests the others do not hold, at most
+`max_seqs_per_step` of them (Orca's batches for its n_workers: the running requests split into about
+pp batches that take turns in the pipeline; without the cap the first step would take them all and
+the other stages would idle).
 
 Async scheduling (vLLM's `async_scheduling`, one stage only): the next step is planned and
 dispatched while the current one computes, so the host's work (planning, building the plan,
@@ -59,55 +61,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from orca_jax.config import SchedulerConfig
 from orca_jax.engine.kv_manager import KVCacheManager
 from orca_jax.engine.request import Request, RequestStatus
 from orca_jax.engine.speculation import DraftPolicy
+from orca_jax.engine.step_state import ScheduledRequest, SchedulerOutput, StepsInFlight
 from orca_jax.engine.step_tokens import StepTokens
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens (drafts included)
-    start: int  # request.num_computed_tokens when scheduled
-    draft_token_ids: list[int] = field(default_factory=list)  # verified after the request's last token
-    proposes: bool = False  # the device proposes drafts for the request's next step
-    # Async scheduling: planned ahead of its step in flight, its one token is the token that step
-    # samples at this logit row (fed on the device); -1: its tokens are known here
-    fed_from_row: int = -1
-    row: int = -1  # its first logit row in the step's plan (set when the plan is built)
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the request's last token, so a new one is sampled."""
-        return self.fed_from_row >= 0 or (
-            self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    num_padding_seqs: int = 0  # static policy: finished members that still occupy batch rows
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return sum(len(s.draft_token_ids) for s in self.scheduled)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.scheduled) + self.num_padding_seqs
-
-    @property
-    def empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -123,20 +83,30 @@ class Scheduler:
     # Whether a request's pages are reserved for prompt + max_tokens at admission (not on demand).
     reserves_whole_requests = False
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_seqs_per_step: int | None = None,
-                 drafts: DraftPolicy | None = None, max_model_len: int = 0, plans_ahead: bool = False):
-        """`plans_ahead`: async scheduling (the module docstring); the runner must feed sampled tokens."""
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, in_flight: StepsInFlight | None = None,
+                 drafts: DraftPolicy | None = None, max_model_len: int = 0):
+        """`in_flight`: the engine's record of its steps in flight (step_state.py; None: one step at
+        a time), which also says whether this scheduler plans ahead (async scheduling)."""
         self.config = config
-        self.plans_ahead = plans_ahead
+        self.in_flight = in_flight if in_flight is not None else StepsInFlight()
         self.kv = kv
         self.drafts = drafts  # None: no speculative decoding
         self.max_model_len = max_model_len  # tokens per request (caps the drafts)
-        self.max_seqs_per_step = max_seqs_per_step or config.max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; static: the batch, finished members included
         self.num_preemptions = 0
         self._num_decoding = 0  # requests decoding in the step being planned (_count_decoding)
         self._drafts_left = 0  # drafts the step being planned may still verify (DraftPolicy.step_drafts)
+
+    @property
+    def plans_ahead(self) -> bool:
+        """Async scheduling (the module docstring): decided with the steps in flight."""
+        return self.in_flight.plans_ahead
+
+    @property
+    def max_seqs_per_step(self) -> int:
+        """Requests one step takes: about 1/depth of them under a pipeline (the module docstring)."""
+        return self.in_flight.max_seqs_per_step or self.config.max_num_seqs
 
     # ---- queue ---------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -183,7 +153,7 @@ class Scheduler:
                 continue
             if len(out.scheduled) == self.max_seqs_per_step:
                 break
-            if request.in_flight:
+            if self.in_flight.holds(request):
                 if self.plans_ahead and self._plan_ahead(out, request):
                     budget -= 1
                 continue
@@ -206,8 +176,8 @@ class Scheduler:
     def _holds_back(self, request: Request) -> bool:
         """Async scheduling: a request in flight whose next step needs that step's result on the
         host first (see the module docstring)."""
-        planned = request.step_in_flight
-        return bool(request.in_flight) and not request.finished and (
+        planned = self.in_flight.newest(request)
+        return planned is not None and not request.finished and (
             not planned.samples or bool(planned.draft_token_ids) or request.grammar is not None
             or request.params.uses_penalties or self._expects_drafts(request))
 
@@ -218,7 +188,7 @@ class Scheduler:
         result's proposals would have been verified; a request without matches keeps planning ahead."""
         if self.drafts is None:
             return False
-        planned = request.step_in_flight
+        planned = self.in_flight.newest(request)
         return (planned.start < len(request.prompt_token_ids)
                 or self.drafts.num_drafts(request, self._drafts_left, self.max_model_len) > 0)
 
@@ -226,15 +196,13 @@ class Scheduler:
         """Async scheduling: plans a request's next decode while its step that samples the token
         before it is in flight. Not when that step ends it by length, nor when pages run short (a
         request in flight is not preempted; it waits for its step instead)."""
-        planned = request.step_in_flight
+        planned = self.in_flight.newest(request)
         start = planned.start + planned.num_new_tokens
         num_outputs = len(request.output_token_ids) + 1  # with the token of the step in flight
         if (num_outputs >= request.params.max_tokens or start + 1 >= self.max_model_len
                 or not self.kv.allocate(request, start + 1)):
             return False
-        scheduled = ScheduledRequest(request, 1, start, proposes=self._proposes(), fed_from_row=planned.row)
-        out.scheduled.append(scheduled)
-        request.step_in_flight = scheduled
+        out.scheduled.append(ScheduledRequest(request, 1, start, proposes=self._proposes(), fed_from_row=planned.row))
         return True
 
     def _count_decoding(self) -> None:
@@ -279,7 +247,7 @@ class Scheduler:
         while not self.kv.allocate(request, target):
             if not self.preempts:
                 raise AssertionError(f"{self.config.policy} reserved every page at admission; allocation cannot fail")
-            victim = min((r for r in self.running if not r.in_flight),
+            victim = min((r for r in self.running if not self.in_flight.holds(r)),
                          key=lambda r: (r.num_computed_tokens, -r.metrics.arrival_time))
             self._preempt(victim, out)
             if victim is request:
@@ -336,21 +304,18 @@ class Scheduler:
         return self.drafts is not None and self.drafts.proposes(self._num_decoding)
 
     def _plan(self, out: SchedulerOutput, request: Request, num_new: int, drafts: list[int] = ()) -> None:
-        scheduled = ScheduledRequest(request, num_new + len(drafts), request.num_computed_tokens, list(drafts),
-                                     self._proposes())
-        out.scheduled.append(scheduled)
-        request.step_in_flight = scheduled
+        out.scheduled.append(ScheduledRequest(request, num_new + len(drafts), request.num_computed_tokens,
+                                              list(drafts), self._proposes()))
 
     # ---- after the step ------------------------------------------------------------------
     def update_after_step(self, out: SchedulerOutput, sampled: dict[str, StepTokens]) -> list[Request]:
-        """Advances computed-token counts and appends the new tokens (`sampled` maps request id ->
-        its StepTokens for the requests whose `samples` is true). Returns the requests that got
-        tokens; the engine drops those after a stop among them."""
+        """Advances computed-token counts, pages and drafts after a collected step (`sampled` maps
+        request id -> its StepTokens for the requests whose `samples` is true). Returns the requests
+        that got tokens; the engine appends them (engine._update: one at a time, as a stop among
+        them drops the rest)."""
         advanced = []
         for planned in out.scheduled:
             request = planned.request
-            if request.step_in_flight is planned:
-                request.step_in_flight = None
             if request.finished:
                 continue  # aborted (or, planned ahead, stopped) while its step was in flight: its pages are freed
             result = sampled[request.request_id] if planned.samples else None
@@ -361,9 +326,8 @@ class Scheduler:
             self.kv.cache_full_pages(request, request.num_computed_tokens)
             if result is None:
                 continue
-            request.output_token_ids.extend(t.token for t in result.tokens)
             if not self.reserves_whole_requests:  # pages that held only rejected drafts go back
-                self.kv.shrink(request, request.num_tokens)
+                self.kv.shrink(request, request.num_tokens + len(result.tokens))  # with the new tokens
             request.draft_token_ids = result.next_drafts if planned.proposes else []
             if self.drafts is not None:
                 self.drafts.record(request, len(planned.draft_token_ids), result.num_accepted)
@@ -404,7 +368,7 @@ class StaticScheduler(Scheduler):
         (whole prompts, as many per step as the token budget holds), then decode the whole batch
         together until its last member finishes."""
         out = SchedulerOutput()
-        if any(r.in_flight for r in self.running):
+        if any(self.in_flight.holds(r) for r in self.running):
             return out  # the batch steps as one: wait for its step in flight
         if not self.running:
             while self.waiting and len(self.running) < self.config.max_num_seqs:
@@ -449,7 +413,7 @@ POLICIES: dict[str, type[Scheduler]] = {
 }
 
 
-def make_scheduler(config: SchedulerConfig, kv: KVCacheManager, max_seqs_per_step: int | None = None,
-                   drafts: DraftPolicy | None = None, max_model_len: int = 0, plans_ahead: bool = False) -> Scheduler:
+def make_scheduler(config: SchedulerConfig, kv: KVCacheManager, in_flight: StepsInFlight | None = None,
+                   drafts: DraftPolicy | None = None, max_model_len: int = 0) -> Scheduler:
     """The scheduler of the config's policy."""
-    return POLICIES[config.policy](config, kv, max_seqs_per_step, drafts, max_model_len, plans_ahead)
+    return POLICIES[config.policy](config, kv, in_flight, drafts, max_model_len)

@@ -13,11 +13,13 @@ Speculative decoding (docs/speculative-decoding.md): a decoding request with k d
 computes 1 + k tokens, and each of them gets a logit row, so a plan has one logit row per sequence
 plus one per draft: the sampler's arrays are [R] rows (R = S without drafts). A row's token is
 what the target samples there; the drafts the target agrees with, in order, are accepted
-(`SpeculationArrays` tells the device which row checks which draft), and the step returns the
+(`SpeculationMetadata` tells the device which row checks which draft), and the step returns the
 accepted drafts, the token after them, and the next step's drafts, proposed on the device.
 
-The runner puts the plan on the devices as two pytrees: the attention metadata with the token ids
-(runner/model_runner.py's StepInputs) and `SamplingArrays`, the numpy twin of the sampler's SamplingMetadata.
+The runner puts the plan on the devices as pytrees: the attention metadata with the token ids
+(runner/model_runner.py's StepInputs), the `SamplingMetadata` and, speculating, the
+`SpeculationMetadata` (orca_jax/step_metadata.py: one class each, numpy here, jax arrays on the
+device).
 
 `dispatch` returns at once (jax's asynchronous dispatch); `collect` blocks on that step's result.
 The engine keeps up to `runner.max_in_flight` steps dispatched (the pipeline depth), so pipeline
@@ -32,9 +34,10 @@ from typing import Any, NamedTuple, Protocol, Sequence
 import numpy as np
 
 from orca_jax.engine.request import Request
-from orca_jax.engine.scheduler import SchedulerOutput
+from orca_jax.engine.step_state import SchedulerOutput
 from orca_jax.engine.step_tokens import SampledToken, StepTokens
 from orca_jax.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_IDS
+from orca_jax.step_metadata import SamplingMetadata, SpeculationMetadata
 
 # A decode step of n sequences computes n tokens: buckets reach down to one so that a step of a few
 # sequences costs about one read of the weights, not the matmuls of 16 padded rows (issue 19: on the
@@ -120,61 +123,6 @@ class KVLayout:
 
 
 @dataclasses.dataclass
-class SamplingArrays:
-    """Per-request sampling parameters as [S] rows: model/sampler.py's SamplingMetadata field for
-    field, in numpy (a test keeps the two in step). See there for each field's meaning."""
-
-    temperature: np.ndarray  # [S] float32
-    top_k: np.ndarray  # [S] int32
-    top_p: np.ndarray  # [S] float32
-    min_p: np.ndarray  # [S] float32
-    repetition_penalty: np.ndarray  # [S] float32
-    presence_penalty: np.ndarray  # [S] float32
-    frequency_penalty: np.ndarray  # [S] float32
-    seeds: np.ndarray  # [S] uint32
-    token_index: np.ndarray  # [S] int32
-    stop_ids: np.ndarray  # [S, MAX_STOP_IDS] int32
-    suppress_stop: np.ndarray  # [S] bool
-    # The [S, V] penalty arrays are None when no row uses penalties: the runner then passes zeros
-    # it keeps on the device, so such steps never ship them.
-    output_counts: np.ndarray | None  # [S, V] int32
-    seen_tokens: np.ndarray | None  # [S, V] bool
-    use_penalties: np.bool_
-    token_bitmask: np.ndarray  # [S, W] int32
-    use_bitmask: np.bool_
-    bias_ids: np.ndarray  # [S, MAX_LOGIT_BIAS] int32
-    bias_values: np.ndarray  # [S, MAX_LOGIT_BIAS] float32
-    use_logit_bias: np.bool_
-    need_logprobs: np.bool_
-    num_real_rows: np.int32  # rows before the bucket's padding
-
-
-@dataclasses.dataclass
-class SpeculationArrays:
-    """What a speculating runner's device needs to verify drafts and propose the next ones
-    (runner/speculation.py). Rows [R] are logit rows; [S_max] rows are sequences."""
-
-    row_draft: np.ndarray  # [R] int32: the draft token the row's sample is checked against; -1: none
-    row_first: np.ndarray  # [R] int32: the first logit row of the row's sequence
-    row_seq: np.ndarray  # [R] int32: the row's sequence; padding: S_max (out of range)
-    seq_first_row: np.ndarray  # [S_max] int32: each sequence's first logit row
-    seq_history_len: np.ndarray  # [S_max] int32: tokens before the drafts (prompt + accepted outputs)
-    seq_proposes: np.ndarray  # [S_max] bool: propose drafts for this sequence's next step
-    any_proposes: np.bool_
-    # [S_max] int32: KV slots the sequence's pages hold; a draft model writes its proposals' K/V
-    # ahead (runner/draft_model.py) and proposes no draft whose K/V would not fit
-    seq_num_slots: np.ndarray
-
-    @classmethod
-    def empty(cls, num_rows: int, max_num_seqs: int) -> "SpeculationArrays":
-        return cls(row_draft=np.full(num_rows, -1, np.int32), row_first=np.arange(num_rows, dtype=np.int32),
-                   row_seq=np.full(num_rows, max_num_seqs, np.int32),
-                   seq_first_row=np.zeros(max_num_seqs, np.int32), seq_history_len=np.zeros(max_num_seqs, np.int32),
-                   seq_proposes=np.zeros(max_num_seqs, bool), any_proposes=np.bool_(False),
-                   seq_num_slots=np.zeros(max_num_seqs, np.int32))
-
-
-@dataclasses.dataclass
 class StepPlan:
     """One step's device inputs, padded to the bucket (T tokens, S sequences). Picklable."""
 
@@ -188,8 +136,8 @@ class StepPlan:
     block_tables: np.ndarray  # [S_max, max_pages] int32 (S_max = KVLayout.max_num_seqs)
     kv_lens: np.ndarray  # [S_max] cached tokens per sequence after this step
     logits_index: np.ndarray  # [R_max] the token of each logit row (R_max = KVLayout.max_logit_rows)
-    sampling: SamplingArrays  # [R] rows: without drafts one per sequence, so R = S
-    speculation: SpeculationArrays | None = None  # a speculating runner's plans only
+    sampling: SamplingMetadata  # [R] rows: without drafts one per sequence, so R = S
+    speculation: SpeculationMetadata | None = None  # a speculating runner's plans only (block_tables None)
     # Leader only: the request of every sequence row, and (sequence row, its first logit row, the
     # drafts it verifies, top logprobs asked or None) for every sequence that samples a token.
     request_ids: list[str] = dataclasses.field(default_factory=list)
@@ -257,7 +205,7 @@ def padding_plan(num_tokens: int, num_rows: int, kv: KVLayout, vocab_size: int,
         kv_lens=np.zeros(kv.max_num_seqs, np.int32),
         logits_index=np.zeros(kv.max_logit_rows, np.int32),
         sampling=sampling_arrays(list(rows), num_rows, vocab_size),
-        speculation=SpeculationArrays.empty(num_rows, kv.max_num_seqs) if kv.num_speculative_tokens else None,
+        speculation=SpeculationMetadata.empty(num_rows, kv.max_num_seqs) if kv.num_speculative_tokens else None,
     )
 
 
@@ -313,7 +261,7 @@ def bitmask_width(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
-def sampling_arrays(rows: list[SampleRow], num_rows: int, vocab_size: int) -> SamplingArrays:
+def sampling_arrays(rows: list[SampleRow], num_rows: int, vocab_size: int) -> SamplingMetadata:
     """Per-row sampling parameters as [R] arrays, so no combination of parameters recompiles. A
     row samples its request's output token number `SampleRow.token_index`, as if the drafts before
     it were already outputs. (A grammar or penalties never meet a row with tokens ahead: the
@@ -356,7 +304,7 @@ def sampling_arrays(rows: list[SampleRow], num_rows: int, vocab_size: int) -> Sa
                 counts[row] = np.bincount(r.output_token_ids + before, minlength=vocab_size)
                 seen[row, r.prompt_token_ids] = True
                 seen[row] |= counts[row] > 0
-    return SamplingArrays(
+    return SamplingMetadata(
         temperature=column(lambda r, _: r.params.temperature, np.float32, 0.0),
         top_k=column(lambda r, _: r.params.top_k, np.int32, 0),
         top_p=column(lambda r, _: r.params.top_p, np.float32, 1.0),

@@ -14,38 +14,17 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, UInt32
+from jaxtyping import Array, Float, Int, UInt32
 
 from orca_jax.sampling_params import MAX_LOGPROBS
+from orca_jax.step_metadata import SamplingMetadata
 
 NEG_INF = -jnp.inf
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SamplingMetadata:
-    temperature: Float[Array, " S"]  # 0 = greedy
-    top_k: Int[Array, " S"]  # 0 = off
-    top_p: Float[Array, " S"]  # 1 = off
-    min_p: Float[Array, " S"]  # 0 = off
-    repetition_penalty: Float[Array, " S"]  # 1 = off
-    presence_penalty: Float[Array, " S"]
-    frequency_penalty: Float[Array, " S"]
-    seeds: UInt32[Array, " S"]
-    token_index: Int[Array, " S"]  # index of the token being sampled within the request's output
-    stop_ids: Int[Array, "S N"]  # EOS and stop tokens, -1 padded; suppressed while suppress_stop
-    suppress_stop: Bool[Array, " S"]  # fewer than min_tokens generated yet
-    output_counts: Int[Array, "S V"]  # occurrences of each token in the output so far
-    seen_tokens: Bool[Array, "S V"]  # token occurs in prompt or output (repetition penalty)
-    use_penalties: Bool[Array, ""]  # any row has a penalty: skip the [S, V] work otherwise
-    token_bitmask: Int[Array, "S W"]  # W = ceil(V / 32); bit v % 32 of word v // 32: token v allowed
-    use_bitmask: Bool[Array, ""]  # any row has a grammar
-    bias_ids: Int[Array, "S B"]  # logit_bias entries (B = MAX_LOGIT_BIAS), zero padded
-    bias_values: Float[Array, "S B"]
-    use_logit_bias: Bool[Array, ""]
-    need_logprobs: Bool[Array, ""]
-    # Rows before the bucket's padding: the LM head's native matmul skips the others (None: all real).
-    num_real_rows: Int[Array, ""] | None = None
+# The host builds it in numpy (engine/step_plan.py); here it holds jax arrays: one class, a pytree
+# once registered (orca_jax/step_metadata.py; its fields' shapes and meaning are there).
+jax.tree_util.register_dataclass(SamplingMetadata)
 
 
 @jax.tree_util.register_dataclass

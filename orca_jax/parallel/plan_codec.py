@@ -21,15 +21,18 @@ import struct
 
 import numpy as np
 
-from orca_jax.engine.step_plan import SamplingArrays, SpeculationArrays, StepPlan
+from orca_jax.engine.step_plan import StepPlan
+from orca_jax.step_metadata import SamplingMetadata, SpeculationMetadata
 
 _MAGIC = b"ORCAPLAN1"
 _HEADER_LENGTH = struct.Struct("!I")
 _DTYPES = frozenset({"int32", "uint32", "float32", "bool"})
 _PLAN_ARRAYS = ("token_ids", "token_source", "positions", "segment_ids", "slot_mapping", "block_tables", "kv_lens", "logits_index")
-_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingArrays))
-# A speculating runner's plans also carry these (all of them, or none).
-_SPECULATION_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculationArrays))
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingMetadata))
+# A speculating runner's plans also carry these (all of them, or none); not the block tables, which
+# a plan holds once (StepPlan.block_tables, above) and the runner adds to the device's copy.
+_SPECULATION_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculationMetadata)
+                            if f.name != "block_tables")
 # Fields a process that does not hold the last stage never reads: the [S, V] penalty arrays.
 _LAST_STAGE_ONLY = frozenset({"output_counts", "seen_tokens"})
 # The padding value of each trimmed table (step_plan.padding_plan / sampling_arrays fill them so).
@@ -116,6 +119,6 @@ def decode_plan(data: bytes) -> StepPlan:
     if speculating:
         fields = {name: arrays[f"speculation.{name}"] for name in _SPECULATION_FIELDS}
         fields["any_proposes"] = np.bool_(fields["any_proposes"])
-        speculation = SpeculationArrays(**fields)
-    return StepPlan(**{name: arrays[name] for name in _PLAN_ARRAYS}, sampling=SamplingArrays(**sampling),
+        speculation = SpeculationMetadata(**fields)
+    return StepPlan(**{name: arrays[name] for name in _PLAN_ARRAYS}, sampling=SamplingMetadata(**sampling),
                     speculation=speculation, num_real_tokens=counts[0], num_padding_seqs=counts[1])

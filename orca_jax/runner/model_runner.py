@@ -607,7 +607,7 @@ class ModelRunner:
             jax.block_until_ready(self._follower_outputs.popleft())
 
     def _sampling_metadata(self, plan: StepPlan, stage: Stage) -> SamplingMetadata:
-        fields = vars(plan.sampling).copy()  # SamplingArrays' fields are SamplingMetadata's
+        fields = vars(plan.sampling).copy()  # the plan's SamplingMetadata in numpy
         if fields["output_counts"] is None:
             fields["output_counts"], fields["seen_tokens"] = self._zero_penalty_arrays(plan.bucket[1], stage)
         else:  # placed on their own, so the packed layout is the same with penalties or without
@@ -618,7 +618,7 @@ class ModelRunner:
     def _speculation_metadata(self, plan: StepPlan, stage: Stage) -> SpeculationMetadata | None:
         if plan.speculation is None:
             return None
-        return pack(SpeculationMetadata(**vars(plan.speculation), block_tables=plan.block_tables))
+        return pack(dataclasses.replace(plan.speculation, block_tables=plan.block_tables))
 
     def _zero_penalty_arrays(self, num_seqs: int, stage: Stage) -> tuple[jax.Array, jax.Array]:
         """Kept on device per bucket, so steps without penalties never ship [S, V] arrays."""

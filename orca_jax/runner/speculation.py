@@ -41,26 +41,16 @@ from jaxtyping import Array, Bool, Float, Int
 
 from orca_jax.config import SpeculativeConfig
 from orca_jax.model.sampler import SamplerOutput, SamplingMetadata, draw_keys, processed_logits, scaled_logits
+from orca_jax.step_metadata import SpeculationMetadata
 
 # Salts folded into a row's (seed, token index) key, so each use of randomness is independent of
 # the target's own draw and of the others.
 ACCEPT_SALT, RESIDUAL_SALT, DRAFT_SALT = 1, 2, 3
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SpeculationMetadata:
-    """engine/step_plan.SpeculationArrays on the device, with the step's block tables."""
-
-    row_draft: Int[Array, " R"]
-    row_first: Int[Array, " R"]
-    row_seq: Int[Array, " R"]
-    seq_first_row: Int[Array, " S_max"]
-    seq_history_len: Int[Array, " S_max"]
-    seq_proposes: Bool[Array, " S_max"]
-    any_proposes: Bool[Array, ""]
-    seq_num_slots: Int[Array, " S_max"]
-    block_tables: Int[Array, "S_max P_seq"]
+# The host builds it in numpy (engine/step_plan.py, without the block tables: the runner adds the
+# plan's); here it holds jax arrays: one class, a pytree once registered (orca_jax/step_metadata.py).
+jax.tree_util.register_dataclass(SpeculationMetadata)
 
 
 @jax.tree_util.register_dataclass

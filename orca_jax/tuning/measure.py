@@ -141,7 +141,7 @@ def host_seconds(engine, lengths: list[tuple[int, int]]) -> tuple[float, float]:
     plan ahead (async scheduling off), so that no host work hides behind a step in flight."""
     from scipy.optimize import nnls
 
-    assert not engine.plans_ahead and engine.max_in_flight == 1, "measure the host's work one step at a time"
+    assert engine.in_flight.depth == 1, "measure the host's work one step at a time"
     timed = _TimedRunner(engine.runner)
     engine.runner = timed
     rows, host = [], []

@@ -23,10 +23,10 @@ def test_every_policy_gives_the_right_outputs_with_steps_planned_ahead(policy):
         assert out.outputs[0].token_ids == expected_output(prompt, max_tokens)
     assert engine.kv.num_free_pages == engine.kv.num_pages
     if policy == "static":  # its batch steps as one: nothing is planned while its step is in flight
-        assert fed_steps(engine) == 0 and max(engine.in_flight_depths) == 1
+        assert fed_steps(engine) == 0 and max(engine.in_flight.depths) == 1
     else:
         assert fed_steps(engine) > len(engine.schedules) // 2
-        assert max(engine.in_flight_depths) == 2
+        assert max(engine.in_flight.depths) == 2
 
 
 def test_a_lone_decode_always_has_its_next_step_in_flight():
@@ -102,4 +102,4 @@ def test_a_request_whose_next_step_needs_its_token_on_the_host_holds_the_next_pl
 def test_without_async_scheduling_every_step_is_collected_before_the_next():
     engine = make_engine("chunked", async_scheduling=False)
     run(engine, mixed_workload())
-    assert fed_steps(engine) == 0 and max(engine.in_flight_depths) == 1
+    assert fed_steps(engine) == 0 and max(engine.in_flight.depths) == 1

@@ -60,7 +60,7 @@ def test_pipeline_of_two_stages_with_a_draft_model_equals_one_stage(tiny_runner,
     assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
     assert engine.drafts.stats.num_accepted_tokens > 0
     if policy != "static":
-        assert max(engine.in_flight_depths) == 2
+        assert max(engine.in_flight.depths) == 2
     assert tiny_noisy_draft_pp2_runner.num_compilations_after_warmup == 0
 
 

@@ -79,7 +79,7 @@ def test_async_scheduling_gives_the_outputs_of_steps_taken_one_at_a_time(smollm2
     for async_scheduling in (False, True):
         engine = make_engine(smollm2_runner, smollm2, policy, **SMOLLM2_LIMITS, async_scheduling=async_scheduling)
         results[async_scheduling] = run_all(engine, mixed)
-        assert max(engine.in_flight_depths) == (2 if async_scheduling else 1)
+        assert max(engine.in_flight.depths) == (2 if async_scheduling else 1)
     for off, on in zip(results[False], results[True], strict=True):
         assert on.outputs[0].token_ids == off.outputs[0].token_ids
         assert on.outputs[0].finish_reason == off.outputs[0].finish_reason

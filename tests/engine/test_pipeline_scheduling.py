@@ -24,7 +24,7 @@ def test_each_step_takes_its_share_of_the_running_requests():
     assert max(len(p.scheduled) for p in plans) == 2
     ids = [frozenset(s.request.request_id for s in p.scheduled) for p in plans]
     assert ids[0] != ids[1] and ids[0] == ids[2] and ids[1] == ids[3]  # two groups alternate
-    assert engine.in_flight_depths[2] >= len(plans) - 2
+    assert engine.in_flight.depths[2] >= len(plans) - 2
 
 
 @pytest.mark.parametrize("policy", ["paged", "chunked"])
@@ -37,7 +37,7 @@ def test_preemption_with_steps_in_flight_keeps_outputs_right_and_frees_every_pag
     for (prompt, max_tokens), out in zip(requests, outputs):
         assert out.outputs[0].token_ids == expected_output(prompt, max_tokens)
     assert engine.scheduler.num_preemptions > 0
-    assert max(engine.in_flight_depths) == 2
+    assert max(engine.in_flight.depths) == 2
     assert engine.kv.num_free_pages == engine.kv.num_pages
 
 
@@ -48,7 +48,7 @@ def test_victims_are_never_in_flight():
     victims_in_flight = []
 
     def preempt(victim, out):
-        victims_in_flight.append(victim.in_flight)
+        victims_in_flight.append(scheduler.in_flight.holds(victim))
         real_preempt(victim, out)
 
     scheduler._preempt = preempt

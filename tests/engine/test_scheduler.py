@@ -65,7 +65,7 @@ def finish(engine, never: str | None = None) -> dict:
 def abort_spares_the_others(engine, victim, requests: dict) -> None:
     """Aborts `victim` (a request in a step in flight) and runs the engine dry: it gets no output,
     the others (`requests`: request id -> (prompt, max_tokens)) their right ones, every page comes back."""
-    assert victim.in_flight
+    assert engine.in_flight.holds(victim)
     assert engine.abort(victim.request_id)
     done = finish(engine, never=victim.request_id)
     for request_id, (prompt, max_tokens) in requests.items():
@@ -90,9 +90,9 @@ def test_every_policy_gives_every_request_its_right_output(policy, depth):
     assert engine.kv.num_free_pages == engine.kv.num_pages  # everything returned
     assert not engine.in_flight and not engine.runner.pending
     if policy == "static":  # a static batch steps as one: nothing to overlap it with
-        assert set(engine.in_flight_depths) == {1}
+        assert set(engine.in_flight.depths) == {1}
     else:
-        assert max(engine.in_flight_depths) == depth
+        assert max(engine.in_flight.depths) == depth
 
 
 def test_static_admits_only_into_an_empty_batch_and_releases_together():

@@ -48,7 +48,7 @@ def test_speculation_on_equals_off_every_policy(tiny_runner, tiny_spec_runner, t
                                                  tiny_requests(sampling), SPEC, limits)
     assert engine.drafts.stats.num_draft_tokens > 0
     if sampling == "greedy" and policy != "static":  # steps without drafts overlapped
-        assert engine.plans_ahead and engine.in_flight_depths[2] > 0
+        assert engine.in_flight.plans_ahead and engine.in_flight.depths[2] > 0
     # Drafting requests shared steps with requests that verified none (prefills, plain decodes).
     assert any(p.num_draft_tokens and any(not s.draft_token_ids for s in p.scheduled) for p in schedules)
     assert tiny_spec_runner.num_compilations_after_warmup == 0
@@ -75,7 +75,7 @@ def test_pipeline_of_two_stages_with_speculation_equals_one_stage(tiny_runner, t
         assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
         assert engine.drafts.stats.num_draft_tokens > 0
         if policy != "static":  # a static batch steps as one: nothing to overlap it with
-            assert max(engine.in_flight_depths) == 2
+            assert max(engine.in_flight.depths) == 2
     assert tiny_spec_pp2_runner.num_compilations_after_warmup == 0
 
 

@@ -102,10 +102,10 @@ def test_async_scheduling_plans_ahead_the_steps_without_drafts(policy, propose):
     for (prompt, max_tokens), out in zip(workload, outputs):
         assert out.outputs[0].token_ids == expected_output(prompt, max_tokens)
     assert engine.kv.num_free_pages == engine.kv.num_pages
-    assert engine.plans_ahead
+    assert engine.in_flight.plans_ahead
     sync = spec_engine(policy, propose, num_pages=128)
     run(sync, workload)
-    overlapped = engine.in_flight_depths[2]
+    overlapped = engine.in_flight.depths[2]
     drafted, sync_drafted = engine.drafts.stats.num_draft_tokens, sync.drafts.stats.num_draft_tokens
     if propose is no_drafts:
         assert drafted == 0 and overlapped > 0
@@ -157,6 +157,23 @@ def test_rejected_drafts_never_enter_the_prefix_cache():
     real_hashes = kv._page_hashes(probe, len(real) // kv.page_size)  # the chained hashes of the real pages
     assert kv.hash_to_page and set(kv.hash_to_page) <= set(real_hashes)
     assert outputs[1].metrics.num_cached_prompt_tokens > 0  # the real pages were cached and shared
+
+
+@pytest.mark.parametrize("policy", ["paged", "chunked"])
+def test_after_every_step_a_requests_pages_hold_every_token_it_has_computed(policy):
+    """The pages given back after a step are those that held only rejected drafts, never one that
+    holds an accepted draft's K/V (one draft accepted per step, two-token pages: the accepted ones
+    often start a page)."""
+    engine = spec_engine(policy, half_right_drafts, page_size=2)
+    for prompt, max_tokens in long_workload():
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+    accepted = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for request in engine.scheduler.running:
+            assert len(request.block_table) >= engine.kv.pages_for(request.num_computed_tokens), request.request_id
+        accepted = engine.drafts.stats.num_accepted_tokens
+    assert accepted > 0
 
 
 def test_a_stop_token_among_accepted_drafts_ends_the_output_there():

@@ -1,5 +1,7 @@
 """The on-device sampler on hand-made logits."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,10 +147,18 @@ def test_logit_bias_bans_and_forces_per_row():
     assert out.tokens.tolist() == [3, 1]
 
 
-def test_the_step_plans_sampling_arrays_are_sampling_metadatas_numpy_twin():
-    """The runner builds SamplingMetadata from a plan's SamplingArrays field for field."""
-    import dataclasses
+def test_a_step_plans_sampling_metadata_is_the_samplers_pytree_in_numpy():
+    """One class on both sides: the plan the host builds holds the sampler's SamplingMetadata in
+    numpy, and it crosses into a jitted program as that class holding jax arrays, field for field."""
+    from orca_jax.engine.step_plan import KVLayout, padding_plan
 
-    from orca_jax.engine.step_plan import SamplingArrays
-
-    assert [f.name for f in dataclasses.fields(SamplingArrays)] == [f.name for f in dataclasses.fields(SamplingMetadata)]
+    plan = padding_plan(4, 2, KVLayout(num_pages=4, page_size=4, max_pages_per_seq=2, max_num_seqs=2), V)
+    host = plan.sampling
+    assert type(host) is SamplingMetadata and isinstance(host.temperature, np.ndarray)
+    device = jax.jit(lambda m: m)(host)
+    assert type(device) is SamplingMetadata and isinstance(device.temperature, jax.Array)
+    names = [f.name for f in dataclasses.fields(SamplingMetadata)]
+    leaves = {name for name in names if getattr(host, name) is not None}  # no penalties: no [S, V] arrays
+    assert leaves == set(names) - {"output_counts", "seen_tokens"}
+    for name in leaves:
+        np.testing.assert_array_equal(np.asarray(getattr(device, name)), getattr(host, name), err_msg=name)

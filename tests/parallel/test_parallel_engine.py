@@ -56,7 +56,7 @@ def test_tiny_layouts_give_the_one_device_tokens(tiny_layouts, tiny_trained, tin
     outputs = run_all(engine, tiny_requests())
     assert [o.outputs[0].token_ids for o in outputs] == tiny_one_device_tokens[policy]
     # the pipeline filled up; one stage keeps a step planned ahead in flight (async scheduling)
-    assert max(engine.in_flight_depths) == (pp if pp > 1 else 2)
+    assert max(engine.in_flight.depths) == (pp if pp > 1 else 2)
     assert runner.num_compilations_after_warmup == 0
 
 
@@ -151,7 +151,7 @@ def test_smollm2_layouts_give_the_one_device_tokens(smollm2, smollm2_layouts, sm
         tokens = [o.outputs[0].token_ids for o in run_all(engine, smollm2_requests)]
         assert tokens == smollm2_one_device_tokens, policy
         assert tokens[:len(smollm2_reference["cases"])] == [c["greedy_ids"] for c in smollm2_reference["cases"]]
-        assert max(engine.in_flight_depths) == (pp if pp > 1 else 2)  # as above
+        assert max(engine.in_flight.depths) == (pp if pp > 1 else 2)  # as above
     assert runner.num_compilations_after_warmup == 0
 
 

@@ -66,18 +66,18 @@ def test_an_encoded_plan_round_trips_exactly(penalties):
 def test_a_speculating_plan_round_trips_its_draft_arrays():
     """Speculative decoding's per-row arrays travel too (a follower's runner verifies and proposes
     like the leader's); a plan without them decodes without them."""
-    from orca_jax.engine.step_plan import SpeculationArrays
+    from orca_jax.step_metadata import SpeculationMetadata
 
     plan = busy_plan(False)
     assert decode_plan(encode_plan(plan)).speculation is None
     rows = plan.logits_index.shape[0]
-    plan.speculation = SpeculationArrays.empty(rows, KV.max_num_seqs)
+    plan.speculation = SpeculationMetadata.empty(rows, KV.max_num_seqs)
     plan.speculation.row_draft[:3] = [7, 8, -1]
     plan.speculation.seq_history_len[:2] = [6, 4]
     plan.speculation.seq_proposes[0] = True
     plan.speculation.any_proposes = np.bool_(True)
     decoded = decode_plan(encode_plan(plan)).speculation
-    for field in dataclasses.fields(SpeculationArrays):
+    for field in dataclasses.fields(SpeculationMetadata):
         got, want = getattr(decoded, field.name), getattr(plan.speculation, field.name)
         np.testing.assert_array_equal(got, want, err_msg=field.name)
         assert np.asarray(got).dtype == np.asarray(want).dtype, field.name

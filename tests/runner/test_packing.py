@@ -49,3 +49,23 @@ def test_a_decode_steps_inputs_reach_the_device_in_one_buffer_per_dtype():
     back = sampling.unpack()
     np.testing.assert_array_equal(back.stop_ids, plan.sampling.stop_ids)
     np.testing.assert_array_equal(back.token_bitmask, plan.sampling.token_bitmask)
+
+
+def test_a_speculating_plans_metadata_reaches_the_device_as_the_same_class():
+    """The plan's SpeculationMetadata (numpy, without block tables) is the class the verifier reads
+    on the device: the runner adds the plan's block tables, packs it, and the program unpacks it."""
+    import dataclasses
+
+    from orca_jax.runner.speculation import SpeculationMetadata
+
+    kv = KVLayout(num_pages=8, page_size=4, max_pages_per_seq=3, max_num_seqs=4, num_speculative_tokens=2)
+    plan = padding_plan(4, 6, kv, vocab_size=40)
+    host = plan.speculation
+    assert type(host) is SpeculationMetadata and host.block_tables is None
+    host.row_draft[:2] = [5, 6]
+    packed = pack(dataclasses.replace(host, block_tables=plan.block_tables))
+    device = jax.jit(lambda p: p.unpack())(jax.device_put(packed))
+    assert type(device) is SpeculationMetadata
+    for field in dataclasses.fields(SpeculationMetadata):
+        want = plan.block_tables if field.name == "block_tables" else getattr(host, field.name)
+        np.testing.assert_array_equal(np.asarray(getattr(device, field.name)), want, err_msg=field.name)
