@@ -246,14 +246,19 @@ class LLMEngine:
             group, sample = self.output_processor.sample(request.request_id)
             # Taken in one at a time, as if generated one per step: a stop among accepted drafts
             # ends the request there, and the tokens after it are dropped.
-            for token in sampled[request.request_id].tokens:
+            tokens = sampled[request.request_id].tokens
+            status = None
+            for token in tokens:
                 request.output_token_ids.append(token.token)
                 self.num_generated_tokens += 1
                 self.output_processor.record(sample, token)
                 status = self.output_processor.stop_status(sample)
                 if status is not None:
-                    self.output_processor.release(self.scheduler.finish(request, status), touched)
                     break
+            if len(tokens) > 1:  # accepted drafts: pages they filled can be hashed now that they are tokens
+                self.kv.cache_full_pages(request, request.num_computed_tokens)
+            if status is not None:
+                self.output_processor.release(self.scheduler.finish(request, status), touched)
             if not self.scheduler.releases_whole_batches:
                 touched[group.request_id] = group
 

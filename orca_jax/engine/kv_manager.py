@@ -114,10 +114,12 @@ class KVCacheManager:
 
     def cache_full_pages(self, request: Request, num_tokens: int) -> None:
         """Registers the full pages among the first `num_tokens` tokens (whose K/V the current step
-        writes) so later requests can share them."""
+        writes) so later requests can share them. A page is hashed only once the request holds all
+        of its tokens: accepted drafts are computed before the engine appends them as output, and a
+        page hashed from fewer tokens would never match (its hash is kept for the request)."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(num_tokens // self.page_size, len(request.block_table))
+        num_full = min(min(num_tokens, request.num_tokens) // self.page_size, len(request.block_table))
         hashes = self._page_hashes(request, num_full)
         for page, page_hash in zip(request.block_table[:num_full], hashes):
             if page in self.page_to_hash or page_hash in self.hash_to_page:

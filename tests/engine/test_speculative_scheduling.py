@@ -159,6 +159,26 @@ def test_rejected_drafts_never_enter_the_prefix_cache():
     assert outputs[1].metrics.num_cached_prompt_tokens > 0  # the real pages were cached and shared
 
 
+def test_pages_filled_by_accepted_drafts_are_cached_under_their_own_tokens():
+    """Accepted drafts are computed in the step that verifies them, but join the request's tokens
+    only when the engine appends the step's output: a page they fill must be hashed from its real
+    tokens (one step later), not from the tokens known at the end of the step, or it is never
+    shared."""
+    engine = spec_engine("paged", right_drafts, page_size=2, prefix_caching=True, max_num_seqs=1)
+    prompt = [3, 4, 5]
+    first = expected_output(prompt, 13)
+    outputs, _ = run(engine, [(prompt, 13), (prompt + first, 2)])
+    assert engine.drafts.stats.num_accepted_tokens > 0
+    real = outputs[1].prompt_token_ids + outputs[1].outputs[0].token_ids  # extends the first request's tokens
+    kv = engine.kv
+    probe = type("Probe", (), {"request_id": "probe", "token_ids_between": lambda self, a, b: real[a:b]})()
+    real_hashes = kv._page_hashes(probe, len(real) // kv.page_size)
+    assert set(kv.hash_to_page) <= set(real_hashes)
+    # The first request computed all of its tokens but its last output: every full page of them is shared.
+    computed = len(prompt) + len(first) - 1
+    assert outputs[1].metrics.num_cached_prompt_tokens == computed // kv.page_size * kv.page_size
+
+
 @pytest.mark.parametrize("policy", ["paged", "chunked"])
 def test_after_every_step_a_requests_pages_hold_every_token_it_has_computed(policy):
     """The pages given back after a step are those that held only rejected drafts, never one that
