@@ -17,7 +17,7 @@ what the target samples there; the drafts the target agrees with, in order, are 
 accepted drafts, the token after them, and the next step's drafts, proposed on the device.
 
 The runner puts the plan on the devices as two pytrees: the attention metadata with the token ids
-(runner/step_inputs.py's StepInputs) and `SamplingArrays`, the numpy twin of the sampler's SamplingMetadata.
+(runner/model_runner.py's StepInputs) and `SamplingArrays`, the numpy twin of the sampler's SamplingMetadata.
 
 `dispatch` returns at once (jax's asynchronous dispatch); `collect` blocks on that step's result.
 The engine keeps up to `runner.max_in_flight` steps dispatched (the pipeline depth), so pipeline

@@ -320,7 +320,8 @@ class ModelRunner:
         x, stage.kv_caches, stage.token_pages = self.programs.get(stage, "layers", num_tokens)(
             stage.param_leaves, stage.kv_caches, stage.token_pages, x, inputs, stage.fed_tokens)
         if stage.last:
-            sampling, speculation = self.head_inputs.sampling(plan, stage.replicated), self.head_inputs.speculation(plan)
+            sampling = self.head_inputs.sampling(plan, stage.replicated)
+            speculation = self.head_inputs.speculation(plan)
             draft_probs = None
             if self.drafter is not None:
                 # The draft model's programs take the step's arrays unpacked (sliced here, on the device).
