@@ -59,7 +59,7 @@ class HeadInputs:
 
     def sampling(self, plan: StepPlan, replicated: NamedSharding) -> Packed:
         """The plan's sampling metadata, for the last stage (its devices: `replicated`)."""
-        fields = vars(plan.sampling).copy()  # SamplingArrays' fields are SamplingMetadata's
+        fields = vars(plan.sampling).copy()  # the plan's sampling arrays, field for field
         if fields["output_counts"] is None:
             fields["output_counts"], fields["seen_tokens"] = self._zero_penalty_arrays(plan.bucket[1], replicated)
         else:  # placed on their own, so the packed layout is the same with penalties or without
@@ -71,7 +71,8 @@ class HeadInputs:
     def speculation(plan: StepPlan) -> Packed | None:
         if plan.speculation is None:
             return None
-        return pack(SpeculationMetadata(**vars(plan.speculation), block_tables=plan.block_tables))
+        # The plan's speculation arrays with its block tables (which the plan holds once, for attention).
+        return pack(SpeculationMetadata(**{**vars(plan.speculation), "block_tables": plan.block_tables}))
 
     def _zero_penalty_arrays(self, num_seqs: int, replicated: NamedSharding) -> tuple[jax.Array, jax.Array]:
         if num_seqs not in self._zero_penalties:
