@@ -15,7 +15,8 @@ NO_JAX_MODULES = sorted(
     ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
     for folder in NO_JAX_FOLDERS for path in (REPO_ROOT / folder).glob("*.py") if path.name != "__init__.py"
 ) + [
-    "orca_jax.config", "orca_jax.tokenizer", "orca_jax.cli", "orca_jax.sampling_params", "orca_jax.outputs",
+    "orca_jax.config", "orca_jax.config_loading", "orca_jax.model_config",
+    "orca_jax.tokenizer", "orca_jax.cli", "orca_jax.sampling_params", "orca_jax.outputs",
     "orca_jax.sizes", "orca_jax.llm", "orca_jax.parallel.layout", "orca_jax.parallel.plan_cli",
     "orca_jax.parallel.multihost", "orca_jax.parallel.plan_codec", "orca_jax.step_metadata",
 ]

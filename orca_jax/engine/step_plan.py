@@ -17,7 +17,7 @@ what the target samples there; the drafts the target agrees with, in order, are 
 accepted drafts, the token after them, and the next step's drafts, proposed on the device.
 
 The runner puts the plan on the devices as pytrees: the attention metadata with the token ids
-(runner/model_runner.py's StepInputs), the `SamplingMetadata` and, speculating, the
+(runner/step_inputs.py's StepInputs), the `SamplingMetadata` and, speculating, the
 `SpeculationMetadata` (orca_jax/step_metadata.py: one class each, numpy here, jax arrays on the
 device).
 

@@ -45,13 +45,16 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from orca_jax.config import ConfigError, ParallelConfig
-from orca_jax.engine.step_plan import Buckets, KVLayout, StepPlan
+from orca_jax.engine.step_plan import Buckets, KVLayout, StepPlan, padding_plan
 from orca_jax.model.attention import AttentionMetadata
 from orca_jax.model.decoder import DecoderStage
 from orca_jax.model.sampler import SamplingMetadata
 from orca_jax.parallel import kv_cache_sharding, param_shardings
 from orca_jax.parallel.layout import check_parallel, kv_heads_for_tp
 from orca_jax.parallel.tensor_parallel import replicate_kv_heads, sharded_paged_attention
+from orca_jax.runner.programs import Programs
+from orca_jax.runner.stage import Stage
+from orca_jax.runner.step_inputs import HeadInputs, StepInputs
 from orca_jax.runner.speculation import (DRAFT_SALT, DraftModelProposer, SpeculationMetadata, SpeculativeOutput,
                                          draft_scaled_logits, salted_keys)
 
@@ -236,3 +239,25 @@ class DraftModelRunner:
         all_drafts = jnp.full((max_seqs, k), -1, jnp.int32).at[:num_seqs].set(drafts)
         num_drafts = jnp.zeros(max_seqs, jnp.int32).at[:num_seqs].set(room)
         return all_drafts, num_drafts, kv_caches
+
+
+
+def build_drafter(proposer: DraftModelProposer, last: Stage, kv_layout: KVLayout, buckets: Buckets, vocab_size: int,
+                  attention_impl: str, kv_dtype, tensor_parallel_size: int, programs: Programs,
+                  head_inputs: HeadInputs) -> DraftModelRunner:
+    """The draft model wired to the target runner: on its last stage's devices, its programs
+    compiled through the target's (`programs`: the same executable store and matmul precision) for
+    the target's padding steps (`vocab_size`: the target's)."""
+
+    def example_inputs(kind: str, size: int):
+        if kind == "layers":
+            return (StepInputs.of(padding_plan(size, buckets.row_buckets[0], kv_layout, vocab_size)),)
+        plan = padding_plan(buckets.tokens[0], size, kv_layout, vocab_size)
+        metadata = head_inputs.sampling(plan, last.replicated), head_inputs.speculation(plan)
+        return tuple(packed.unpack() for packed in jax.device_put(metadata, last.replicated))
+
+    def compile_program(name, args, depends_on, program):
+        return programs.compile_draft(name, args, depends_on, program, list(last.mesh.devices.flat))
+
+    return DraftModelRunner(proposer, last.mesh, last.replicated, kv_layout, buckets, attention_impl, kv_dtype,
+                            tensor_parallel_size, compile_program, example_inputs)

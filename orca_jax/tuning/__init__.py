@@ -7,7 +7,7 @@
 - measure.py: times steps of the real runner on a grid of shapes (the only module here that runs jax);
 - search.py: the settings the memory plan allows, each priced by the simulation against the workload;
 - loadgen.py: one real run: `orca-jax serve` started with the chosen settings, the workload replayed;
-- tune.py: the command, tying these together.
+- tune.py: the command, tying these together; report.py: what it prints and keeps (tables, plot, JSON).
 
 Nothing here imports jax at import time, so `orca_jax.cli` stays light.
 """

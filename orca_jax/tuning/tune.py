@@ -15,7 +15,8 @@ checked by one real run.
 3. Write the winner as an engine TOML (`orca-jax serve --config` takes it), then verify it: start
    that server, replay the workload at the chosen rate (tuning/loadgen.py), and print the predicted
    and measured p99s side by side; the report JSON keeps both, the settings, the cost model and every
-   candidate; a plot shows capacity against each setting.
+   candidate; a plot shows capacity against each setting (the printed and kept pieces:
+   tuning/report.py).
 
 Importing this module does not import jax: cli.py builds its parser at start-up.
 """
@@ -37,7 +38,8 @@ from pathlib import Path
 from orca_jax.config import DEFAULT_MODEL, DTYPE_CHOICES, QUANTIZATION_CHOICES, SCHEDULING_POLICIES
 from orca_jax.sizes import byte_size, format_bytes
 from orca_jax.tuning.cost_model import CostModel
-from orca_jax.tuning.search import Outcome, Space, Target, p99, search
+from orca_jax.tuning.report import grouped, outcome_json, plot, side_by_side, summary, table
+from orca_jax.tuning.search import Space, Target, p99, search
 from orca_jax.tuning.workload import (LENGTH_DISTRIBUTIONS, Workload, WorkloadSpec, describe, load_jsonl,
                                       workload_of_requests, workload_of_spec)
 
@@ -250,90 +252,6 @@ def verify(toml: Path, workload: Workload, prompts: list[list[int]], rate: float
             **{key: after[key] - before.get(key, 0.0) for key in after}}
 
 
-# ---- output ------------------------------------------------------------------------------------
-
-def _fmt(value: float | None, unit: str = "s") -> str:
-    return "-" if value is None else f"{value:.3f} {unit}"
-
-
-def table(outcomes: list[Outcome], target: Target, winner: Outcome | None, rows: int = 12) -> str:
-    """The best candidates, one line each."""
-    if target.rate is None:
-        ranked = sorted(outcomes, key=lambda o: -(o.capacity or 0))
-        head = f"{'settings':58s} {'capacity':>10s} {'TTFT p99':>10s} {'TPOT p99':>10s}"
-    else:
-        ranked = sorted(outcomes, key=lambda o: o.point.score(target))
-        head = f"{'settings':58s} {'score':>10s} {'TTFT p99':>10s} {'TPOT p99':>10s}"
-    lines = [head]
-    shown = set()
-    for o in ranked:
-        key = o.same_as or o.settings
-        if key in shown:
-            continue  # a larger KV budget that ran the same
-        shown.add(key)
-        mark = "*" if winner is not None and (winner.same_as or winner.settings) == key else " "
-        first = f"{o.capacity:6.3f} r/s" if target.rate is None else f"{o.point.score(target):10.2f}"
-        p = o.point
-        lines.append(f"{mark}{key.label:57s} {first:>10s} {_fmt(p and p.ttft_p99_s):>10s} {_fmt(p and p.tpot_p99_s):>10s}")
-        if len(lines) > rows:
-            break
-    return "\n".join(lines)
-
-
-def side_by_side(predicted: dict, measured: dict | None, target: Target) -> str:
-    """Predicted and measured figures of the winner at the chosen rate; error = predicted / measured - 1."""
-    rows = [("TTFT p99 (s)", "ttft_p99_s", target.ttft_p99_s, ".3f"), ("TPOT p99 (s)", "tpot_p99_s", target.tpot_p99_s, ".3f"),
-            ("rate (req/s)", "rate_rps", None, ".3f"), ("run (s)", "wall_s", None, ".1f"),
-            ("iterations", "steps", None, ".0f"), ("preemptions", "preemptions", None, ".0f")]
-    lines = [f"{'':14s} {'predicted':>10s} {'measured':>10s} {'error':>8s} {'target':>8s}"]
-    for name, key, goal, form in rows:
-        p, m = predicted.get(key), (measured or {}).get(key)
-        error = f"{p / m - 1:+.0%}" if p is not None and m else "-"
-        lines.append(f"{name:14s} {'-' if p is None else format(p, form):>10s} {'-' if m is None else format(m, form):>10s} "
-                     f"{error:>8s} {'' if goal is None else format(goal, '.3f'):>8s}")
-    return "\n".join(lines)
-
-
-def plot(outcomes: list[Outcome], target: Target, path: Path) -> str:
-    """Capacity (or, at a fixed rate, the p99 score) against max_num_seqs, one panel per policy and a
-    line per token budget, at the best KV budget of each. Returns what was done, for the log."""
-    try:
-        import matplotlib
-    except ImportError:
-        return "no plot: matplotlib is not installed (pip install 'orca-jax[bench]')"
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def value(o: Outcome) -> float:
-        return (o.capacity or 0.0) if target.rate is None else o.point.score(target)
-
-    policies = sorted({o.settings.policy for o in outcomes})
-    fig, axes = plt.subplots(1, len(policies), figsize=(3.6 * len(policies), 3.2), dpi=90, sharey=True, squeeze=False)
-    for ax, policy in zip(axes[0], policies):
-        budgets = sorted({o.settings.max_num_batched_tokens for o in outcomes if o.settings.policy == policy})
-        for tokens in budgets:
-            best: dict[int, float] = {}
-            for o in outcomes:
-                s = o.settings
-                if s.policy == policy and s.max_num_batched_tokens == tokens:
-                    pick = max if target.rate is None else min
-                    best[s.max_num_seqs] = pick(best.get(s.max_num_seqs, value(o)), value(o))
-            seqs = sorted(best)
-            ax.plot(seqs, [best[s] for s in seqs], "o-", label=f"{tokens} tokens")
-        ax.set(xscale="log", xlabel="max_num_seqs", title=policy)
-        ax.set_xticks(sorted({o.settings.max_num_seqs for o in outcomes}),
-                      [str(s) for s in sorted({o.settings.max_num_seqs for o in outcomes})])
-        ax.minorticks_off()
-        ax.legend(fontsize=7, title="max_num_batched_tokens", title_fontsize=7)
-    axes[0][0].set_ylabel("capacity (req/s within the target)" if target.rate is None
-                          else f"p99 / target at {target.rate:g} req/s (lower is better)")
-    fig.suptitle(f"simulated: TTFT p99 <= {target.ttft_p99_s:g} s, TPOT p99 <= {target.tpot_p99_s:g} s", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return f"plot: {path}"
-
-
 # ---- the command -----------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> dict:
@@ -366,7 +284,7 @@ def run(args: argparse.Namespace) -> dict:
         return tqdm(items, desc="searching", unit="setting")
 
     winner, outcomes, refused = search(space, workload, model, target, pages_for, measurement["page_size"], progress)
-    for why, what in _grouped(refused).items():
+    for why, what in grouped(refused).items():
         print(f"refused {', '.join(what) if len(what) <= 3 else f'{len(what)} settings ({what[0]}, ...)'}: {why}",
               file=sys.stderr)
     if not outcomes:
@@ -408,7 +326,7 @@ def run(args: argparse.Namespace) -> dict:
                      "lengths": workload.lengths, "unit_arrivals": workload.unit_arrivals},
         "model": str(args.model), "quantization": args.quantization, "toml": str(args.out),
         "measurement": measurement,
-        "candidates": [_outcome_json(o) for o in outcomes],
+        "candidates": [outcome_json(o) for o in outcomes],
         "refused": [{"settings": what, "reason": why} for what, why in refused],
         "elapsed_s": time.perf_counter() - started,
     }
@@ -417,38 +335,6 @@ def run(args: argparse.Namespace) -> dict:
         args.report.write_text(json.dumps(report, indent=1) + "\n")
     print(f"tune took {report['elapsed_s']:.0f} s", file=sys.stderr)
     return report
-
-
-def _grouped(refused: list[tuple[str, str]]) -> dict[str, list[str]]:
-    """The refused settings by reason, in order."""
-    groups: dict[str, list[str]] = {}
-    for what, why in refused:
-        groups.setdefault(why, []).append(what)
-    return groups
-
-
-def summary(model: CostModel) -> str:
-    """The cost model in one line: the step time at the smallest and largest buckets, the shared terms, the fit."""
-    def ms(seconds: float) -> str:
-        return f"{1000 * seconds:.{1 if seconds < 0.1 else 0}f} ms"
-
-    def ends(table: dict[int, float], unit: str) -> str:
-        lo, hi = min(table), max(table)
-        return f"{ms(table[lo])} at {lo} {unit} .. {ms(table[hi])} at {hi}"
-
-    errors = model.fit_error
-    return (f"decode {ends(model.decode_base_s, 'sequences')} + {1000 * model.decode_per_1k_attended_s:.2f} ms per "
-            f"1k positions attended; prefill {ends(model.prefill_base_s, 'tokens')} + "
-            f"{1000 * model.prefill_per_seq_s:.2f} ms per sequence + {1000 * model.prefill_per_1k_attended_s:.2f} ms "
-            f"per 1k attended; host {1000 * model.host_s_per_step:.1f} ms per step + "
-            f"{1000 * model.host_s_per_seq:.2f} ms per sequence; fit rms error decode "
-            f"{errors['decode']['rms_relative']:.0%}, prefill {errors['prefill']['rms_relative']:.0%}")
-
-
-def _outcome_json(o: Outcome) -> dict:
-    return {"settings": o.settings.label, "capacity_rps": o.capacity,
-            "point": o.point.to_json() if o.point else None, "kv_pages_ran_short": o.kv_bound,
-            "same_runs_as": o.same_as.label if o.same_as else None}
 
 
 def tune_command(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ def layer_dots(model, matmul_precision: str) -> list[str]:
     settings = config_from_keywords(page_size=4, attention_impl="xla", matmul_precision=matmul_precision)
     runner = ModelRunner(model, settings, num_pages=8, max_model_len=32, buckets=Buckets(tokens=(16,), seqs=(4,)),
                          executable_store=LoweredText())
-    text = runner._compile(runner.stages[0], "layers", 16)
+    text = runner.programs.compile(runner.stages[0], "layers", 16)
     assert runner.matmul_precision in runner.executable_store.depends_on  # a stored program keys it
     return re.findall(r"stablehlo\.dot_general.*", text)
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from orca_jax.engine.step_plan import KVLayout, padding_plan
 from orca_jax.model.sampler import SamplingMetadata
-from orca_jax.runner.model_runner import StepInputs
+from orca_jax.runner.step_inputs import StepInputs
 from orca_jax.runner.packing import pack
 
 

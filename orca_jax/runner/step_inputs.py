@@ -1,0 +1,82 @@
+"""A step's host arrays as the compiled programs take them: the layers' token arrays (`StepInputs`)
+and the head's sampling and speculation metadata, each packed into one buffer per dtype
+(packing.py). The packed numpy buffers go into the compiled call as they are: the call places them
+on the stage's devices for ~5 us an array, where `jax.device_put` costs ~0.1 ms of host time an
+array (jax 0.10, AMD EPYC Zen 3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jaxtyping import Array, Int
+
+from orca_jax.engine.step_plan import StepPlan
+from orca_jax.model.attention import AttentionMetadata
+from orca_jax.model.sampler import SamplingMetadata
+from orca_jax.runner.packing import Packed, pack
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """A StepPlan's token arrays as the layers' programs take them: one pytree, packed (packing.py)
+    and placed on a stage's devices by the program's call (see step_plan.StepPlan for the fields'
+    meaning)."""
+
+    token_ids: Int[Array, " T"]
+    token_source: Int[Array, " T"]  # -1, or the previous step's logit row whose sampled token it is
+    attention: AttentionMetadata  # positions, segment ids, slots; block tables and KV lengths [S_max]
+    logits_index: Int[Array, " R_max"]
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> "StepInputs":
+        attention = AttentionMetadata(positions=plan.positions, segment_ids=plan.segment_ids,
+                                      slot_mapping=plan.slot_mapping, block_tables=plan.block_tables,
+                                      kv_lens=plan.kv_lens,
+                                      # Static batches' finished members are computed, as FasterTransformer's.
+                                      num_tokens=np.int32(plan.num_real_tokens + plan.num_padding_seqs))
+        return cls(token_ids=plan.token_ids, token_source=plan.token_source, attention=attention,
+                   logits_index=plan.logits_index)
+
+
+def layers_inputs(plan: StepPlan) -> Packed:
+    """The plan's token arrays, packed for a stage's layers program."""
+    return pack(StepInputs.of(plan))
+
+
+class HeadInputs:
+    """The head's packed metadata for a plan. Steps without penalties take [S, V] zero arrays kept
+    on the device per sequence bucket, so they never ship them."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._zero_penalties: dict[int, tuple[jax.Array, jax.Array]] = {}
+
+    def sampling(self, plan: StepPlan, replicated: NamedSharding) -> Packed:
+        """The plan's sampling metadata, for the last stage (its devices: `replicated`)."""
+        fields = vars(plan.sampling).copy()  # the plan's SamplingMetadata, in numpy
+        if fields["output_counts"] is None:
+            fields["output_counts"], fields["seen_tokens"] = self._zero_penalty_arrays(plan.bucket[1], replicated)
+        else:  # placed on their own, so the packed layout is the same with penalties or without
+            fields["output_counts"], fields["seen_tokens"] = jax.device_put(
+                (fields["output_counts"], fields["seen_tokens"]), replicated)
+        return pack(SamplingMetadata(**fields))  # numpy buffers, placed by the head's call (as the layers' inputs)
+
+    @staticmethod
+    def speculation(plan: StepPlan) -> Packed | None:
+        if plan.speculation is None:
+            return None
+        # The plan holds the block tables once (for attention); the head's metadata carries them too.
+        return pack(dataclasses.replace(plan.speculation, block_tables=plan.block_tables))
+
+    def _zero_penalty_arrays(self, num_seqs: int, replicated: NamedSharding) -> tuple[jax.Array, jax.Array]:
+        if num_seqs not in self._zero_penalties:
+            vocab = self.vocab_size
+            self._zero_penalties[num_seqs] = jax.device_put(
+                (np.zeros((num_seqs, vocab), np.int32), np.zeros((num_seqs, vocab), bool)), replicated
+            )
+        return self._zero_penalties[num_seqs]
