@@ -4,7 +4,8 @@ kernel per instruction-set variant the CPU has, against XLA's dequantize-then-do
     python bench/bench_quantized_matmul.py [--format q4_1] [--layers 6] [--tokens 1 2 4 8 16 32 64 128]
 
 For each T: ms for the matrices of `--layers` layers (q, k, v, o, gate, up, down; random weights in
-the format), the weight bytes read per ms as GB/s, and XLA's time over the native kernel's (for
+the format; for the K-quants, whose rows are multiples of 256 weights, a layer of width 768 and
+intermediate 2048 instead of SmolLM2's 576 and 1536, filled with random blocks of small scales), the weight bytes read per ms as GB/s, and XLA's time over the native kernel's (for
 `--format f32`, XLA's is the float model's own dot over [in, out] kernels: matmul_impl="xla"). Prints the
 CPU, numpy's copy bandwidth in the same run and a table; saves bench/results/quantized_matmul_new.json
 (or --out). Where the two cross is what NATIVE_MAX_TOKENS encodes.
@@ -36,15 +37,39 @@ from pallas_kernels import quantized_matmul as qm  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # (out, in)
+LAYER_K = [(768, 768), (256, 768), (256, 768), (768, 768), (2048, 768), (2048, 768), (768, 2048)]
 GGUF_TYPES = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
-              "q8_0": gguf.GGMLQuantizationType.Q8_0}
+              "q8_0": gguf.GGMLQuantizationType.Q8_0, "q5_0": gguf.GGMLQuantizationType.Q5_0,
+              "q5_1": gguf.GGMLQuantizationType.Q5_1}
+
+
+def layer(format: str) -> list[tuple[int, int]]:
+    return LAYER_K if qm.block_weights(format) == qm.SUPER_BLOCK else LAYER
+
+
+def k_blocks(format: str, shape: tuple[int, int], rng) -> np.ndarray:
+    """Random K-quant blocks (gguf-py has no K-quant quantizer): random bytes, with small f16 d (and
+    dmin) so the weights stay of order one and a chain of layers finite. The kernel's time does not
+    depend on the values."""
+    out, inner = shape
+    size = qm.BLOCK_BYTES[format]
+    data = rng.integers(0, 256, (out, inner // qm.SUPER_BLOCK, size), dtype=np.uint8)
+    scale = 1 / (127 * 32) if format == "q6_k" else 1 / (63 * 16)
+    halves = (rng.uniform(0.5, 1.5, data.shape[:2] + (2,)) * scale).astype(np.float16).view(np.uint8)
+    if format == "q6_k":
+        data[..., size - 2:] = halves[..., :2]
+    else:
+        data[..., :4] = halves.reshape(data.shape[:2] + (4,))
+    return data.reshape(out, -1)
 
 
 def weights(format: str, layers: int, rng) -> list[tuple[jax.Array, jax.Array | None]]:
     out = []
-    for shape in LAYER * layers:
+    for shape in layer(format) * layers:
         w = rng.standard_normal(shape).astype(np.float32)
-        if format == "f32":
+        if format in ("q4_k", "q5_k", "q6_k"):
+            data, scales = k_blocks(format, shape, rng), None
+        elif format == "f32":
             data, scales = w, None
         elif format == "int8":
             data, scales = qm.quantize_int8(w)
@@ -59,7 +84,8 @@ def program(matmul, format: str):
     one after another (fed the same input, XLA ran independent calls at once and the figures at one
     token came out 1.6x better than the model's own calls). The scaling keeps values finite."""
     def run(x, mats):
-        for (out, inner), (data, scales) in zip(LAYER * (len(mats) // len(LAYER)), mats):
+        shapes = layer(format)
+        for (out, inner), (data, scales) in zip(shapes * (len(mats) // len(shapes)), mats):
             x = x[:, :inner] if x.shape[1] >= inner else jnp.tile(x, (1, -(-inner // x.shape[1])))[:, :inner]
             x = matmul(x, format, data, scales) * (1.0 / np.sqrt(inner))
         return x.sum()
@@ -104,7 +130,8 @@ def main() -> None:
     print(f"native variants timed: {', '.join(isas)}; the kernels run {chosen} by default here "
           f"(${native.ISA_ENV} forces a lower one); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     for tokens in args.tokens:
-        x = jnp.asarray(np.random.default_rng(tokens).standard_normal((tokens, 576)).astype(np.float32))
+        width = layer(args.format)[0][1]
+        x = jnp.asarray(np.random.default_rng(tokens).standard_normal((tokens, width)).astype(np.float32))
         row = {"tokens": tokens, "xla_ms": 1000 * best_of(xla_fn, (x, xla_mats), args.repeat)}
         for isa in isas:
             native.select_isa(isa)

@@ -57,7 +57,8 @@ SOURCE = SOURCE_DIR / "ragged_paged_attention.cc"
 # One library holds every native kernel (they share the variant selection below).
 SOURCES = (SOURCE, SOURCE_DIR / "quantized_matmul.cc")
 HEADERS = (SOURCE_DIR / "parallel_for.h", SOURCE_DIR / "per_isa.h",
-           SOURCE_DIR / "ragged_paged_attention_kernel.inc", SOURCE_DIR / "quantized_matmul_kernel.inc")
+           SOURCE_DIR / "ragged_paged_attention_kernel.inc", SOURCE_DIR / "quantized_matmul_kernel.inc",
+           SOURCE_DIR / "quantized_matmul_kquants.inc")
 TARGET = "orca_ragged_paged_attention"
 SYMBOL = "OrcaRaggedPagedAttention"
 WRITE_TARGET, WRITE_SYMBOL = "orca_write_kv", "OrcaWriteKV"

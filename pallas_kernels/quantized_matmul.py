@@ -32,15 +32,17 @@ Implementations behind the one contract (`quantized_matmul`):
   It dequantizes each block in registers and accumulates in f32 by fused multiply-adds in an
   order fixed per output element (the .cc file states it), the same for every T and every variant:
   batch-invariant.
-  The native kernel knows NATIVE_FORMATS; the others (the K-quants) take XLA's path on CPU too,
+  The K-quants' 256-weight super-blocks are taken as eight 32-weight sub-blocks, each with its own
+  scale(s) (cpu/quantized_matmul_kquants.inc), in the same order. The native kernel knows
+  NATIVE_FORMATS (today every format); a format outside it would take XLA's path on CPU too,
   whatever the caller asks.
 - `xla`: dequantize to f32, then one dot at HIGHEST precision: what runs on GPU (and on a CPU
   without the native library). Its summation order is XLA's, so it matches the reference to f32
   rounding, not bit for bit.
 
 `quantized_matmul_reference` (numpy) replays the native kernel's arithmetic operation by operation
-in f32, so the native kernel must equal it exactly (for a format the kernel does not know yet, it
-is the order such a kernel would keep: 32 weights at a time); `dequantize_reference` equals gguf's
+in f32, so the native kernel must equal it exactly (32 weights at a time, a K-quant super-block's
+sub-blocks in order); `dequantize_reference` equals gguf's
 own dequantize bit for bit (same f32 operations), which ties the blocks to the file.
 """
 
@@ -52,8 +54,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-NATIVE_FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "f32", "q5_0", "q5_1")  # numbered as the .cc file's Format
-FORMATS = NATIVE_FORMATS + ("q4_k", "q5_k", "q6_k")
+# Numbered as the .cc file's Format.
+NATIVE_FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "f32", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+FORMATS = NATIVE_FORMATS
 GGUF_FORMATS = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 BLOCK = 32  # weights of a block, and the native kernel's unit of summation (two 16-lane halves)
 SUPER_BLOCK = 256  # weights of a K-quant block (ggml's QK_K)

@@ -8,7 +8,10 @@
 //
 // W's rows are read as stored: GGUF blocks of 32 weights (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1: an f16
 // scale, an f16 minimum for Q4_1 and Q5_1, Q5's 32 fifth bits, then 16 bytes of nibble pairs or 32
-// int8) or int8 rows with one f32 scale per row, or plain f32 rows (a float model's matrix, transposed). Each 32-weight block is dequantized
+// int8), GGUF K-quant super-blocks of 256 weights (Q4_K, Q5_K, Q6_K: eight 32-weight sub-blocks with
+// a scale each, and a minimum each or a second scale; quantized_matmul_kquants.inc), int8 rows with
+// one f32 scale per row, or plain f32 rows (a float model's matrix, transposed). Each 32-weight block
+// (a K-quant's sub-block) is dequantized
 // into two 16-float vectors in registers (weights 0-15 and 16-31) and multiplied with the same 32
 // inputs of up to kTokens tokens at once, so a weight read from memory serves several tokens; for
 // more tokens a row is dequantized once into an f32 copy in L1 that every group of tokens reads.
@@ -22,7 +25,8 @@
 // The fused multiply-adds are written out; the pragma keeps the compiler from fusing anything else
 // (a dequantizing or summing multiply and add must round as the reference rounds them). The one
 // other fused multiply-add written out is in dequantizing, where q * d is exact in f32 (an 11-bit
-// f16 scale times an integer of at most 5 bits), so fusing changes no bit (the .inc file says more). Each
+// f16 scale times an integer of at most 5 bits; a K-quant's sub-block scale d * sc, 17 bits, times
+// a 5-bit q), so fusing changes no bit (the .inc file says more). Each
 // variant's 16-float vector (one AVX-512 register, two AVX2 ones, GCC's generic vector on the
 // baseline, whose fma is libm's) does the same lane arithmetic, so every variant gives the same bits.
 
@@ -31,6 +35,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "parallel_for.h"
@@ -50,7 +55,9 @@ namespace {
 constexpr int kLanes = 16;
 constexpr int kBlock = 32;    // weights per block: two vectors
 constexpr int kRowsPerItem = 32;  // work item: output rows one thread takes at a time
-constexpr int64_t kScaleChunk = 32;  // blocks a tile's loop takes at a time (AVX2 converts their scales first); a multiple of 4
+// 32-weight blocks a tile's loop takes at a time (their scales converted first: on AVX2, and for the
+// K-quants everywhere); a multiple of 4 and of a K-quant super-block's 8.
+constexpr int64_t kScaleChunk = 32;
 
 using vf = float __attribute__((vector_size(4 * kLanes)));
 using vi = int32_t __attribute__((vector_size(4 * kLanes)));
@@ -59,8 +66,14 @@ using vsb = int8_t __attribute__((vector_size(kLanes)));
 
 // Numbered as FORMATS in pallas_kernels/quantized_matmul.py. kF32 is not quantized: a float model's
 // matrix as f32 rows [out, in] (its kernel transposed), read as they are.
-enum class Format : int { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kInt8 = 3, kF32 = 4, kQ5_0 = 5, kQ5_1 = 6 };
-constexpr int kNumFormats = 7;
+enum class Format : int {
+  kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kInt8 = 3, kF32 = 4, kQ5_0 = 5, kQ5_1 = 6, kQ4_K = 7, kQ5_K = 8, kQ6_K = 9
+};
+constexpr int kNumFormats = 10;
+
+constexpr bool is_k_quant(Format f) { return f == Format::kQ4_K || f == Format::kQ5_K || f == Format::kQ6_K; }
+// 32-weight blocks in one stored block: a K-quant super-block holds 8 (256 weights).
+constexpr int64_t sub_blocks(Format f) { return is_k_quant(f) ? 8 : 1; }
 
 constexpr int64_t block_bytes(Format f) {
   switch (f) {
@@ -69,6 +82,9 @@ constexpr int64_t block_bytes(Format f) {
     case Format::kQ8_0: return 34;
     case Format::kQ5_0: return 22;
     case Format::kQ5_1: return 24;
+    case Format::kQ4_K: return 144;
+    case Format::kQ5_K: return 176;
+    case Format::kQ6_K: return 210;
     case Format::kInt8: return kBlock;
     default: return 4 * kBlock;
   }
@@ -105,7 +121,7 @@ struct Problem {
   const uint8_t* w;     // [out, row_bytes] (f32 rows for kF32)
   const float* scales;  // [out] (int8 only)
   float* out;           // [T, out]
-  int64_t tokens, in, out_features, row_bytes, blocks;
+  int64_t tokens, in, out_features, row_bytes, blocks;  // blocks: of 32 weights (8 per K-quant super-block)
 };
 
 // The kernel, once per instruction set (see quantized_matmul_kernel.inc).
@@ -133,6 +149,9 @@ ItemFn pick(Format f) {
     case Format::kQ8_0: return pick_isa<Format::kQ8_0>();
     case Format::kQ5_0: return pick_isa<Format::kQ5_0>();
     case Format::kQ5_1: return pick_isa<Format::kQ5_1>();
+    case Format::kQ4_K: return pick_isa<Format::kQ4_K>();
+    case Format::kQ5_K: return pick_isa<Format::kQ5_K>();
+    case Format::kQ6_K: return pick_isa<Format::kQ6_K>();
     case Format::kInt8: return pick_isa<Format::kInt8>();
     default: return pick_isa<Format::kF32>();
   }
@@ -157,7 +176,7 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   const bool f32 = f == Format::kF32;
   p.row_bytes = w_dims[1] * (f32 ? 4 : 1);
   const bool int8 = f == Format::kInt8;
-  if (p.row_bytes != p.blocks * block_bytes(f) ||
+  if (p.blocks % sub_blocks(f) || p.row_bytes != p.blocks / sub_blocks(f) * block_bytes(f) ||
       (f32 ? w.element_type() != ffi::DataType::F32 : ffi::ByteWidth(w.element_type()) != 1) ||
       (int8 && static_cast<int64_t>(scales.element_count()) != p.out_features) ||
       out->dimensions().size() != 2 || out->dimensions()[0] != p.tokens || out->dimensions()[1] != p.out_features)

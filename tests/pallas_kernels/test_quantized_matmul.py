@@ -5,8 +5,8 @@ CPU has, forced one by one, against the numpy reference on ragged shapes.
 order (block dequantization as gguf does it, 16 lane sums of fused multiply-adds over the blocks, a
 halving tree over the lanes), so any reordering, unfused or extra fused operation or wrong nibble
 shows as a difference. XLA's
-dequantize-then-dot (the GPU path, and on CPU the formats the native kernel does not know: Q4_K, Q5_K
-and Q6_K) sums in its own order: it is held to a rounding bound instead."""
+dequantize-then-dot (the GPU path, and on CPU calls of more rows than the native kernel takes) sums
+in its own order: it is held to a rounding bound instead."""
 
 import gguf
 import jax
@@ -22,11 +22,30 @@ from ..conftest import require_native
 from ..kquants import QUANTIZERS, quantize_k
 
 GGUF_TYPES = {format: gguf.GGMLQuantizationType[format.upper()] for format in qm.GGUF_FORMATS}
-XLA_ONLY_FORMATS = [f for f in qm.FORMATS if f not in qm.NATIVE_FORMATS]
 # (T, in, out): decode (1-3 tokens), a sequence verifying 4 drafts (5 tokens: a full tile and one
 # token), a prefill chunk, a full tile; SmolLM2's in = 576 and 1536; outputs that leave a remainder of rows
 # (577 = 4 * 144 + 1, 130) and of items (out not a multiple of 32).
 SHAPES = [(1, 576, 192), (2, 1536, 130), (3, 576, 577), (5, 576, 130), (17, 1536, 64), (64, 576, 97)]
+
+
+def shapes(format: str) -> list[tuple[int, int, int]]:
+    """SHAPES, with in = 768 for 576 where the format's blocks are K-quant super-blocks of 256."""
+    return [(t, inner if inner % qm.block_weights(format) == 0 else 768, out) for t, inner, out in SHAPES]
+
+
+def random_blocks(format: str, rows: int, blocks: int, rng) -> np.ndarray:
+    """GGUF rows [rows, blocks * block bytes] of random bytes with finite f16 d (and m or dmin): every
+    bit of the scales, mins and high bits set somewhere (a quantizer leaves some at zero)."""
+    size = qm.BLOCK_BYTES[format]
+    data = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    halves = rng.standard_normal((rows, blocks, 2)).astype(np.float16).view(np.uint8).reshape(rows, blocks, 4)
+    if format == "q6_k":
+        data[..., size - 2:] = halves[..., :2]  # d last
+    elif format in ("q4_0", "q8_0", "q5_0"):
+        data[..., :2] = halves[..., :2]
+    else:  # d, then m or dmin
+        data[..., :4] = halves
+    return data.reshape(rows, -1)
 
 
 def quantized(format: str, w: np.ndarray):
@@ -53,7 +72,7 @@ native_matmul = jax.jit(qm.quantized_matmul_native, static_argnums=1)
 @pytest.mark.parametrize("format", qm.NATIVE_FORMATS)
 def test_every_variant_equals_the_reference_bit_for_bit(restore_isa, format):
     rng = np.random.default_rng(qm.FORMATS.index(format))
-    for tokens, inner, out in SHAPES:
+    for tokens, inner, out in shapes(format):
         weights, scales = quantized(format, rng.standard_normal((out, inner)).astype(np.float32))
         x = rng.standard_normal((tokens, inner)).astype(np.float32)
         want = qm.quantized_matmul_reference(x, format, weights, scales)
@@ -61,6 +80,23 @@ def test_every_variant_equals_the_reference_bit_for_bit(restore_isa, format):
             native.select_isa(isa)
             got = np.asarray(native_matmul(x, format, weights, scales))
             np.testing.assert_array_equal(got, want, err_msg=f"{format} {isa} T={tokens} in={inner} out={out}")
+
+
+@pytest.mark.parametrize("format", qm.GGUF_FORMATS)
+def test_every_variant_reads_random_blocks_as_the_reference(restore_isa, format):
+    """Blocks of random bytes (every scale, minimum and high bit set somewhere, which a quantizer's
+    blocks may not do), one token and a buffered call of several, every variant bit for bit."""
+    rng = np.random.default_rng(100 + qm.FORMATS.index(format))
+    inner = 1536
+    weights = random_blocks(format, 67, inner // qm.block_weights(format), rng)
+    for tokens in (1, 3, 9):
+        x = rng.standard_normal((tokens, inner)).astype(np.float32)
+        want = qm.quantized_matmul_reference(x, format, weights)
+        assert np.isfinite(want).all()
+        for isa in native.supported_isas():
+            native.select_isa(isa)
+            got = np.asarray(native_matmul(x, format, weights, None))
+            np.testing.assert_array_equal(got, want, err_msg=f"{format} {isa} T={tokens}")
 
 
 def test_a_token_gets_the_same_bits_alone_or_in_a_batch(restore_isa):
@@ -154,34 +190,29 @@ def test_blocks_dequantize_exactly_as_gguf_does(format):
 def test_random_blocks_dequantize_exactly_as_gguf_does(format):
     """Every bit of the scales, mins and high bits set somewhere (a quantizer leaves some at zero):
     random bytes with finite f16 d (and dmin)."""
-    rng = np.random.default_rng(4)
-    size = qm.BLOCK_BYTES[format]
-    blocks = rng.integers(0, 256, (16, 3, size), dtype=np.uint8)
-    halves = rng.standard_normal((16, 3, 2)).astype(np.float16).view(np.uint8).reshape(16, 3, 4)
-    if format == "q6_k":
-        blocks[..., size - 2:] = halves[..., :2]  # d last
-    elif format in ("q4_0", "q8_0", "q5_0"):
-        blocks[..., :2] = halves[..., :2]
-    else:  # d, then m or dmin
-        blocks[..., :4] = halves
-    weights = blocks.reshape(16, -1)
+    weights = random_blocks(format, 16, 3, np.random.default_rng(4))
     want = gguf.quants.dequantize(weights, GGUF_TYPES[format])
     assert np.isfinite(want).all()
     np.testing.assert_array_equal(qm.dequantize_reference(format, weights), want)
     np.testing.assert_array_equal(np.asarray(qm.dequantize(format, jnp.asarray(weights))), want)
 
 
-@pytest.mark.parametrize("format", XLA_ONLY_FORMATS)
-def test_formats_without_a_native_kernel_take_xla_on_ragged_rows(format):
-    """The new block types through the one entry point, as the engine calls it (native kernel asked
-    for, which does not know them): every row count a step sends, within rounding of the reference."""
+@pytest.mark.parametrize("format", ["q4_k", "q5_k", "q6_k"])
+def test_k_quants_through_the_entry_point_on_ragged_rows(restore_isa, format):
+    """The K-quants through the one entry point, as the engine calls it (native kernel asked for):
+    every row count a step sends, the best variant's bits equal to the reference's, and past
+    native_max_tokens XLA's dequantize-then-dot within rounding of it."""
     rng = np.random.default_rng(qm.FORMATS.index(format))
     weights, _ = quantized(format, rng.standard_normal((130, 1536)).astype(np.float32))
     w = qm.dequantize_reference(format, weights)
-    program = jax.jit(lambda x, w: qm.quantized_matmul(x, format, w, None, cpu_native=True, native_max_tokens=64))
+    program = jax.jit(lambda x, w: qm.quantized_matmul(x, format, w, None, cpu_native=True, native_max_tokens=16))
     for rows in (1, 2, 5, 16, 64):
         x = rng.standard_normal((rows, 1536)).astype(np.float32)
-        within_rounding(np.asarray(program(x, weights)), qm.quantized_matmul_reference(x, format, weights), x, w)
+        got, want = np.asarray(program(x, weights)), qm.quantized_matmul_reference(x, format, weights)
+        if rows <= 16:
+            np.testing.assert_array_equal(got, want, err_msg=f"{format} rows={rows}")
+        else:
+            within_rounding(got, want, x, w)
 
 
 def test_int8_scales_and_values_match_a_plain_numpy_quantizer():
