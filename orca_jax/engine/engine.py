@@ -255,8 +255,8 @@ class LLMEngine:
                 status = self.output_processor.stop_status(sample)
                 if status is not None:
                     break
-            if len(tokens) > 1:  # accepted drafts: pages they filled can be hashed now that they are tokens
-                self.kv.cache_full_pages(request, request.num_computed_tokens)
+            # Its computed pages may be shared now: hashed only now that accepted drafts are tokens.
+            self.kv.cache_full_pages(request, request.num_computed_tokens)
             if status is not None:
                 self.output_processor.release(self.scheduler.finish(request, status), touched)
             if not self.scheduler.releases_whole_batches:

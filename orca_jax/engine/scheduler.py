@@ -322,9 +322,10 @@ class Scheduler:
             # Rejected drafts' K/V are written but do not count: the next step overwrites them.
             num_rejected = len(planned.draft_token_ids) - (result.num_accepted if result else 0)
             request.num_computed_tokens = planned.start + planned.num_new_tokens - num_rejected
-            # Only now is their K/V written, so only now may other requests share these pages.
-            self.kv.cache_full_pages(request, request.num_computed_tokens)
             if result is None:
+                # Only now is their K/V written, so only now may other requests share these pages
+                # (a request that sampled is registered by the engine, once its tokens are appended).
+                self.kv.cache_full_pages(request, request.num_computed_tokens)
                 continue
             if not self.reserves_whole_requests:  # pages that held only rejected drafts go back
                 self.kv.shrink(request, request.num_tokens + len(result.tokens))  # with the new tokens

@@ -57,13 +57,14 @@ def test_a_speculating_plans_metadata_reaches_the_device_as_the_same_class():
     import dataclasses
 
     from orca_jax.runner.speculation import SpeculationMetadata
+    from orca_jax.runner.step_inputs import HeadInputs
 
     kv = KVLayout(num_pages=8, page_size=4, max_pages_per_seq=3, max_num_seqs=4, num_speculative_tokens=2)
     plan = padding_plan(4, 6, kv, vocab_size=40)
     host = plan.speculation
     assert type(host) is SpeculationMetadata and host.block_tables is None
     host.row_draft[:2] = [5, 6]
-    packed = pack(dataclasses.replace(host, block_tables=plan.block_tables))
+    packed = HeadInputs.speculation(plan)  # the runner's own packing, block tables added
     device = jax.jit(lambda p: p.unpack())(jax.device_put(packed))
     assert type(device) is SpeculationMetadata
     for field in dataclasses.fields(SpeculationMetadata):
