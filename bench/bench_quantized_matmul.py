@@ -104,7 +104,7 @@ def best_of(fn, args, repeat: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--format", choices=qm.NATIVE_FORMATS, default="q4_1")
+    parser.add_argument("--format", choices=qm.FORMATS, default="q4_1")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     parser.add_argument("--repeat", type=int, default=5)

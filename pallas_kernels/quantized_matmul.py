@@ -33,9 +33,7 @@ Implementations behind the one contract (`quantized_matmul`):
   order fixed per output element (the .cc file states it), the same for every T and every variant:
   batch-invariant.
   The K-quants' 256-weight super-blocks are taken as eight 32-weight sub-blocks, each with its own
-  scale(s) (cpu/quantized_matmul_kquants.inc), in the same order. The native kernel knows
-  NATIVE_FORMATS (today every format); a format outside it would take XLA's path on CPU too,
-  whatever the caller asks.
+  scale(s) (cpu/quantized_matmul_kquants.inc), in the same order. It knows every format.
 - `xla`: dequantize to f32, then one dot at HIGHEST precision: what runs on GPU (and on a CPU
   without the native library). Its summation order is XLA's, so it matches the reference to f32
   rounding, not bit for bit.
@@ -55,8 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # Numbered as the .cc file's Format.
-NATIVE_FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "f32", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
-FORMATS = NATIVE_FORMATS
+FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "f32", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 GGUF_FORMATS = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 BLOCK = 32  # weights of a block, and the native kernel's unit of summation (two 16-lane halves)
 SUPER_BLOCK = 256  # weights of a K-quant block (ggml's QK_K)
@@ -81,7 +78,7 @@ NATIVE_MAX_TOKENS = 32
 # 1.16-1.37x ahead, the AVX2 variant 0.87x and 1.08x of XLA in two runs, so 16-row calls stay XLA's.
 FLOAT_NATIVE_MAX_TOKENS = 8
 
-__all__ = ["BLOCK", "BLOCK_BYTES", "FLOAT_NATIVE_MAX_TOKENS", "FORMATS", "GGUF_FORMATS", "NATIVE_FORMATS",
+__all__ = ["BLOCK", "BLOCK_BYTES", "FLOAT_NATIVE_MAX_TOKENS", "FORMATS", "GGUF_FORMATS",
            "NATIVE_MAX_TOKENS", "SUPER_BLOCK", "block_weights", "check_weights", "dequantize", "dequantize_reference",
            "quantize_int8", "quantized_matmul", "quantized_matmul_native", "quantized_matmul_reference",
            "quantized_matmul_xla", "row_size"]
@@ -310,8 +307,8 @@ def quantized_matmul_native(x: jax.Array, format: str, weights: jax.Array, scale
     from pallas_kernels import native
 
     native._require_loaded()
-    if format not in NATIVE_FORMATS:
-        raise ValueError(f"the native kernel has no {format!r} format; it knows {', '.join(NATIVE_FORMATS)}")
+    if format not in FORMATS:
+        raise ValueError(f"the native kernel has no {format!r} format; it knows {', '.join(FORMATS)}")
     call = jax.ffi.ffi_call(native.MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], weights.shape[0]), jnp.float32))
     scales = jnp.zeros((0,), jnp.float32) if scales is None else scales.astype(jnp.float32)
     rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32).reshape(())
@@ -327,11 +324,10 @@ def quantized_matmul(x: jax.Array, format: str, weights: jax.Array, scales: jax.
     larger T XLA's dequantize-then-dot: both lowerings are in the program, so one jitted function
     serves CPU and GPU (and lowers for CUDA on a CPU machine). `num_rows`: how many leading rows of x
     are real (a step's tokens before its bucket's padding); the native kernel computes only those and
-    gives zeros after them, XLA's dot computes every row. Real rows are the same either way. A format
-    the native kernel does not know (not in NATIVE_FORMATS) takes XLA's path on every platform."""
+    gives zeros after them, XLA's dot computes every row. Real rows are the same either way."""
     check_weights(format, weights.shape, x.shape[-1], None if scales is None else scales.shape)
     xla = lambda: quantized_matmul_xla(x, format, weights, scales)  # noqa: E731
-    if not cpu_native or format not in NATIVE_FORMATS or x.shape[0] > native_max_tokens:
+    if not cpu_native or x.shape[0] > native_max_tokens:
         return xla()
     return jax.lax.platform_dependent(cpu=lambda: quantized_matmul_native(x, format, weights, scales, num_rows),
                                       default=xla)

@@ -29,12 +29,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.quantized_matmul import (FLOAT_NATIVE_MAX_TOKENS, NATIVE_FORMATS, NATIVE_MAX_TOKENS,
+from pallas_kernels.quantized_matmul import (FLOAT_NATIVE_MAX_TOKENS, NATIVE_MAX_TOKENS,
                                              block_weights, dequantize, quantized_matmul, row_size)
 
 # GGUF tensor types served in place, by their gguf.GGMLQuantizationType name, and the kernel format
 # of each (pallas_kernels/quantized_matmul.py). A new block type is one entry here plus its kernel.
-# Formats outside quantized_matmul.NATIVE_FORMATS run XLA's dequantize-then-dot on CPU as well.
 GGUF_BLOCK_TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q5_0": "q5_0", "Q5_1": "q5_1",
                     "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 
@@ -198,8 +197,7 @@ class Int8Linear(RowsLinear):
 @dataclasses.dataclass(frozen=True)
 class GGUFBlockLinear(RowsLinear):
     """A GGUF tensor's blocks exactly as the file stores them (uint8 rows), `block_type` a key of
-    GGUF_BLOCK_TYPES. `cpu_native` asks for the native kernel on CPU; a format it does not know
-    (native_kernel_knows false) takes XLA's dequantize-then-dot whatever is asked."""
+    GGUF_BLOCK_TYPES. `cpu_native` asks for the native kernel on CPU."""
 
     block_type: str
     cpu_native: bool
@@ -210,10 +208,6 @@ class GGUFBlockLinear(RowsLinear):
         if self.block_type not in GGUF_BLOCK_TYPES:
             raise ValueError(f"GGUF block type {self.block_type!r} has no kernel; served in place: "
                              f"{', '.join(GGUF_BLOCK_TYPES)}")
-
-    @property
-    def native_kernel_knows(self) -> bool:
-        return self.format in NATIVE_FORMATS
 
     @property
     def format(self) -> str:

@@ -8,8 +8,7 @@ linear methods (linear.py) for its matrices, whose matmuls read the quantized ro
   Q5_0 ...) and each keeps its own. Each tensor of a block type in linear.GGUF_BLOCK_TYPES gets a
   GGUFBlockLinear; matrices the file stores in another type (F32, F16, Q2_K, Q3_K, IQ* ...) keep the
   checkpoint's float weights, which the import dequantized exactly, and one log line names their
-  types. Block types the native CPU kernel does not know run XLA's dequantize-then-dot, which the
-  start-up line says.
+  types.
 - `int8`: every float matrix quantized at load per output channel (one scale per output row: the
   embedding's rows are the tied head's outputs), symmetric, round-half-even: Int8Linear.
 
@@ -46,16 +45,11 @@ class QuantizationReport:
     kept: dict[str, int]  # format -> matrices served quantized
     float_matrices: list[str]  # matrices left in the float dtype (no kernel for their type or shape)
     quantized_bytes: int
-    # Formats served in place whose CPU matmuls take XLA's dequantize-then-dot although the native
-    # kernel is loaded (it does not know them).
-    xla_formats: set[str] = dataclasses.field(default_factory=set)
     dequantized_types: set[str] = dataclasses.field(default_factory=set)  # GGUF types left in float
 
     def one_line(self) -> str:
         kept = ", ".join(f"{n} {fmt}" for fmt, n in sorted(self.kept.items()))
         line = f"quantized matrices: {kept} ({self.quantized_bytes / 2**20:.0f} MiB)"
-        if self.xla_formats:
-            line += f"; {', '.join(sorted(self.xla_formats))} by XLA's dequantize-then-dot (no native CPU kernel)"
         if self.float_matrices:
             types = f" ({', '.join(sorted(self.dequantized_types))} dequantized)" if self.dequantized_types else ""
             line += f"; {len(self.float_matrices)} left in float{types}"
@@ -78,8 +72,6 @@ class _Quantized:
         if scales is not None:
             self.arrays[f"{path}.scales"] = jnp.asarray(scales)
         self.report.kept[method.format] = self.report.kept.get(method.format, 0) + 1
-        if isinstance(method, GGUFBlockLinear) and method.cpu_native and not method.native_kernel_knows:
-            self.report.xla_formats.add(method.format)
         self.report.quantized_bytes += rows.nbytes + (0 if scales is None else scales.nbytes)
 
 

@@ -69,7 +69,7 @@ def restore_isa():
 native_matmul = jax.jit(qm.quantized_matmul_native, static_argnums=1)
 
 
-@pytest.mark.parametrize("format", qm.NATIVE_FORMATS)
+@pytest.mark.parametrize("format", qm.FORMATS)
 def test_every_variant_equals_the_reference_bit_for_bit(restore_isa, format):
     rng = np.random.default_rng(qm.FORMATS.index(format))
     for tokens, inner, out in shapes(format):
@@ -246,10 +246,8 @@ def test_bad_weights_are_refused_with_the_expected_shape():
 @pytest.mark.parametrize("format", qm.GGUF_FORMATS)
 def test_the_matmul_lowers_for_cuda_as_dequantize_then_dot(format):
     """The GPU path of the same jitted function: exported for CUDA on this CPU machine, with no
-    custom call left (the native kernel is a CPU-only branch; tracing it needs the library loaded,
-    except for the formats it does not know, which have no such branch)."""
-    if format in qm.NATIVE_FORMATS:
-        require_native()
+    custom call left (the native kernel is a CPU-only branch; tracing it needs the library loaded)."""
+    require_native()
     shapes = (jax.ShapeDtypeStruct((4, 768), jnp.float32),
               jax.ShapeDtypeStruct((192, qm.row_size(format, 768)), jnp.uint8))
     exported = export.export(jax.jit(lambda x, w: qm.quantized_matmul(x, format, w)), platforms=["cuda"])(*shapes)
