@@ -264,14 +264,21 @@ class CheckpointWeights:
         names = jax.tree_util.tree_map_with_path(lambda p, _: stage_parameter_name(p, layers, tied), abstract_state)
         flat_names, tree = jax.tree.flatten(names)
         specs, placements = jax.tree.leaves(abstract_state), jax.tree.leaves(shardings)
-        wanted = dict(zip(flat_names, zip(specs, placements)))  # a tied embedding appears once
-        item = {k: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=where) for k, (spec, where) in wanted.items()}
-        restore_args = {k: ocp.ArrayRestoreArgs(sharding=where, dtype=spec.dtype) for k, (spec, where) in wanted.items()}
-        with ocp.PyTreeCheckpointer() as checkpointer:
-            restored = checkpointer.restore(self.path / "params", args=ocp.args.PyTreeRestore(
-                item=item, restore_args=restore_args, partial_restore=True))
-        self.read.update({k: v.size * v.dtype.itemsize for k, v in item.items()})
+        # A tied embedding appears once.
+        wanted = {name: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=where)
+                  for name, spec, where in zip(flat_names, specs, placements)}
+        restored = restore_params(self.path, wanted)
+        self.read.update({k: v.size * v.dtype.itemsize for k, v in wanted.items()})
         return jax.tree.unflatten(tree, [restored[name] for name in flat_names])
+
+
+def restore_params(path: Path, wanted: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
+    """The parameters named in `wanted` ("layers.3.mlp.down.kernel": shape, dtype and sharding) from
+    the checkpoint at `path`, and no other: each is read straight into its sharding, cast to its dtype."""
+    restore_args = {k: ocp.ArrayRestoreArgs(sharding=spec.sharding, dtype=spec.dtype) for k, spec in wanted.items()}
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        return checkpointer.restore(path / "params", args=ocp.args.PyTreeRestore(
+            item=wanted, restore_args=restore_args, partial_restore=True))
 
 
 def _unflatten(template: dict, flat: dict[str, Any], prefix: str = "") -> dict:

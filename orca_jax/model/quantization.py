@@ -23,15 +23,18 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from orca_jax.checkpoint.store import flatten_params, restore_params
 from orca_jax.config import ConfigError
 from orca_jax.model.backends import native_matmuls
 from orca_jax.model.decoder import Decoder
 from orca_jax.model.layers import Dense, Embed
 from orca_jax.model.linear import GGUF_BLOCK_TYPES, GGUFBlockLinear, Int8Linear, LinearMethod, RowsLinear
-from orca_jax.model.relayout import matrices, relayout
+from orca_jax.model.relayout import array_at, matrices, relayout
 from orca_jax.optional import import_optional
 from pallas_kernels.quantized_matmul import BLOCK, NATIVE_MAX_TOKENS, check_weights, quantize_int8
 
@@ -66,9 +69,8 @@ class _Quantized:
 
     def add(self, path: str, module: Dense | Embed, method: RowsLinear, rows: np.ndarray,
             scales: np.ndarray | None) -> None:
-        weights = "embedding" if isinstance(module, Embed) else "kernel"
         self.methods[path] = method
-        self.arrays[f"{path}.{weights}"] = jnp.asarray(rows)
+        self.arrays[_weights_name(path, module)] = jnp.asarray(rows)
         if scales is not None:
             self.arrays[f"{path}.scales"] = jnp.asarray(scales)
         self.report.kept[method.format] = self.report.kept.get(method.format, 0) + 1
@@ -78,8 +80,12 @@ class _Quantized:
 def quantize_decoder(model: Decoder, quantization: str, checkpoint_dir: Path,
                      native_max_tokens: int = NATIVE_MAX_TOKENS) -> tuple[Decoder, QuantizationReport]:
     """A new decoder, `model`'s with its matrices quantized (the given one is left as it is).
+    `model` holds its arrays (load_model) or only their shapes (open_model, as the engine loads):
+    then the float parameters are read from the checkpoint as they are needed, so a GGUF's matrices
+    are never read as floats and int8 holds one layer's float matrices at a time.
     `native_max_tokens`: the most rows a call sends to the native kernel on CPU (tests raise it)."""
     quantized = _Quantized(QuantizationReport({}, [], 0))
+    floats = FloatParams(model, Path(checkpoint_dir))
     cpu_native = native_matmuls()
     if quantization == "gguf":
         import_optional("gguf", "quantization='gguf'", ConfigError)  # gguf_import needs it
@@ -89,11 +95,36 @@ def quantize_decoder(model: Decoder, quantization: str, checkpoint_dir: Path,
                            lambda block_type: GGUFBlockLinear(block_type, cpu_native, native_max_tokens))
     elif quantization == "int8":
         method = Int8Linear(cpu_native, native_max_tokens)
-        for name, (path, module) in _matrices(model).items():
-            _quantize_int8(name, path, module, method, quantized)
+        by_layer: dict[str, dict[str, tuple[str, Dense | Embed]]] = {}  # "blk.3" or "token_embd" -> its matrices
+        for name, matrix in _matrices(model).items():
+            by_layer.setdefault(name.rsplit(".", 2)[0] if name.startswith("blk.") else name, {})[name] = matrix
+        for layer in by_layer.values():
+            weights = floats.read([_weights_name(path, module) for path, module in layer.values()])
+            for name, (path, module) in layer.items():
+                _quantize_int8(name, path, module, weights[_weights_name(path, module)], method, quantized)
     else:
         raise ConfigError(f"quantize_decoder: unknown quantization {quantization!r}")
-    return relayout(model, quantized.methods, quantized.arrays), quantized.report
+    kept = floats.read([name for name in floats.names if name not in quantized.arrays])
+    return relayout(model, quantized.methods, quantized.arrays | kept), quantized.report
+
+
+class FloatParams:
+    """A float model's parameters by name ("layers.3.mlp.down.kernel"): its own arrays, or, when it
+    holds only their shapes, read from its checkpoint, just the ones asked for."""
+
+    def __init__(self, model: Decoder, checkpoint_dir: Path):
+        self.values = nnx.to_pure_dict(nnx.state(model))
+        self.names = list(flatten_params(self.values))
+        self.checkpoint_dir = checkpoint_dir
+        self.stored = any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(self.values))
+
+    def read(self, names: list[str]) -> dict[str, jax.Array]:
+        found = {name: array_at(self.values, name) for name in names}
+        if not self.stored or not found:
+            return found
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return restore_params(self.checkpoint_dir, {name: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=device)
+                                                    for name, spec in found.items()})
 
 
 # Each layer's matrices by their GGUF tensor name (blk.<i>.<part>.weight) and their path in the layer.
@@ -110,21 +141,26 @@ def _matrices(model: Decoder) -> dict[str, tuple[str, Dense | Embed]]:
     return {name: (path, modules[path]) for name, path in paths.items() if path in modules}
 
 
-def _float_rows(module: Dense | Embed) -> np.ndarray:
+def _weights_name(path: str, module: Dense | Embed) -> str:
+    return f"{path}.{'embedding' if isinstance(module, Embed) else 'kernel'}"
+
+
+def _float_rows(module: Dense | Embed, weights: jax.Array) -> np.ndarray:
     """The float matrix as float32 rows [out, in] (a Dense's kernel is [in..., out...])."""
     out, inner = module.rows_shape
     if isinstance(module, Embed):
-        return np.asarray(module.embedding[...], np.float32)
-    return np.asarray(module.kernel[...], np.float32).reshape(inner, out).T
+        return np.asarray(weights, np.float32)
+    return np.asarray(weights, np.float32).reshape(inner, out).T
 
 
-def _quantize_int8(name: str, path: str, module: Dense | Embed, method: Int8Linear, quantized: _Quantized) -> None:
+def _quantize_int8(name: str, path: str, module: Dense | Embed, weights: jax.Array, method: Int8Linear,
+                   quantized: _Quantized) -> None:
     inner = module.rows_shape[1]
     if not method.fits(inner):
         log.warning("%s: in=%d is not a multiple of %d, which the int8 kernel needs; kept in float", name, inner, BLOCK)
         quantized.report.float_matrices.append(name)
         return
-    quantized.add(path, module, method, *quantize_int8(_float_rows(module)))
+    quantized.add(path, module, method, *quantize_int8(_float_rows(module, weights)))
 
 
 def _serve_gguf_blocks(model: Decoder, path: Path, quantized: _Quantized, method_of) -> None:

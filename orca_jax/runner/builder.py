@@ -72,11 +72,9 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
         if config.load_format == "dummy":
             raise ConfigError(f"quantization={config.quantization!r} quantizes a checkpoint's weights; with "
                               "load_format='dummy' use quantization='none'")
-        if weights is not None:
-            # Quantizing reads the float arrays on the host (tensor_parallel_size is 1 then): the whole
-            # model, not the per-stage restore, which has no quantized form yet.
-            loaded = dataclasses.replace(load_model(loaded.path, dtype=loaded.config.dtype), tokenizer=loaded.tokenizer)
-            weights = None
+        # The quantized model holds its own arrays (tensor_parallel_size is 1): quantizing reads the
+        # float parameters it needs from the checkpoint, not the per-stage restore.
+        weights = None
         loaded = quantized(loaded, config.quantization, options.show_progress)
     model_config = loaded.config
     max_model_len = config.max_model_len or model_config.max_position

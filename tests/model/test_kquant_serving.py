@@ -17,7 +17,7 @@ from flax import nnx
 
 from orca_jax.checkpoint.convert import convert
 from orca_jax.checkpoint.gguf_import import GGUF_FILE
-from orca_jax.checkpoint.store import load_model
+from orca_jax.checkpoint.store import load_model, open_model, restore_params
 from orca_jax.config import ParallelConfig, load_model_preset
 from orca_jax.llm import LLM, SamplingParams
 from orca_jax.model.decoder import init_decoder
@@ -143,6 +143,36 @@ def test_each_tensor_keeps_its_own_block_type_and_gives_the_float_models_logits(
     assert plan.param_bytes == placed
     file_blocks = sum(int(t.n_bytes) for t in tensors.values() if t.tensor_type != T.F32)
     assert report.quantized_bytes == file_blocks
+
+
+@pytest.mark.parametrize("quantization", ["gguf", "int8"])
+def test_quantizing_a_model_of_shapes_reads_only_the_float_parameters_it_keeps(kquant_checkpoint, quantization,
+                                                                                monkeypatch):
+    """The engine quantizes the model `open_model` gives (shapes only): `gguf` must never read the
+    float copies of the matrices it serves from the file (a 7B Q4_K_M would need 28 GB for them),
+    `int8` reads the float matrices one layer at a time; the result equals quantizing a loaded model."""
+    import orca_jax.model.quantization as quantization_module
+
+    reads = []
+
+    def recording_restore(path, wanted):
+        reads.append(sorted(wanted))
+        return restore_params(path, wanted)
+
+    monkeypatch.setattr(quantization_module, "restore_params", recording_restore)
+    from_shapes, _ = quantize_decoder(open_model(kquant_checkpoint).model, quantization, kquant_checkpoint)
+    monkeypatch.undo()
+    from_arrays, _ = quantize_decoder(load_model(kquant_checkpoint).model, quantization, kquant_checkpoint)
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(from_shapes)),
+                 nnx.to_pure_dict(nnx.state(from_arrays)))
+    read = [name for names in reads for name in names]
+    matrices = [name for name in read if name.endswith((".kernel", ".embedding"))]
+    assert len(read) == len(set(read))  # each parameter read once
+    if quantization == "gguf":  # every matrix is served from the file: norms only
+        assert matrices == [] and read and all("norm" in name for name in read), read
+    else:  # the embedding, then each layer's 7 matrices, then the rest
+        assert [len([n for n in names if n.endswith((".kernel", ".embedding"))]) for names in reads[:-1]] == [1, 7, 7]
+        assert not any(name.endswith((".kernel", ".embedding")) for name in reads[-1])
 
 
 def test_served_with_quantization_gguf_gives_the_float_models_greedy_tokens(kquant_checkpoint, capfd):
