@@ -64,7 +64,7 @@ def gpu_devices() -> list:
 # tests/test_suite_platforms.py fails when a name here is no longer a test module.
 HEAVY_MODULES = frozenset({
     "test_draft_model_engine", "test_parallel_engine", "test_hf_families", "test_matmul_impl",
-    "test_small_buckets", "test_speculative_engine", "test_dummy_weights", "test_engine_pallas",
+    "test_small_buckets", "test_speculative_engine", "test_dummy_weights",
     "test_engine_bfloat16", "test_kquant_serving", "test_program_keys", "test_rejection_sampling",
     "test_speculative_config",
 })

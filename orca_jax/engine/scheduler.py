@@ -89,6 +89,8 @@ class Scheduler:
         a time), which also says whether this scheduler plans ahead (async scheduling)."""
         self.config = config
         self.in_flight = in_flight if in_flight is not None else StepsInFlight()
+        # Requests one step takes: about 1/depth of them under a pipeline (the module docstring).
+        self.max_seqs_per_step = self.in_flight.max_seqs_per_step or config.max_num_seqs
         self.kv = kv
         self.drafts = drafts  # None: no speculative decoding
         self.max_model_len = max_model_len  # tokens per request (caps the drafts)
@@ -102,11 +104,6 @@ class Scheduler:
     def plans_ahead(self) -> bool:
         """Async scheduling (the module docstring): decided with the steps in flight."""
         return self.in_flight.plans_ahead
-
-    @property
-    def max_seqs_per_step(self) -> int:
-        """Requests one step takes: about 1/depth of them under a pipeline (the module docstring)."""
-        return self.in_flight.max_seqs_per_step or self.config.max_num_seqs
 
     # ---- queue ---------------------------------------------------------------------------
     def add(self, request: Request) -> None:

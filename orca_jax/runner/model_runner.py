@@ -146,12 +146,11 @@ class ModelRunner:
                                  executable_store or ExecutableStore.default(), self.head_inputs,
                                  attention_impl=self.attention_impl, matmul_impl=self.matmul_impl,
                                  matmul_precision=self.matmul_precision, proposer=proposer)
-        self.drafter = None
         if isinstance(proposer, DraftModelProposer):
             if self.multi_process:
                 raise ConfigError("speculative_config.method='draft_model' runs on one process only; use method "
                                   "'ngram' across processes, or run every pipeline stage in one process")
-            self.drafter = self.programs.drafter = build_drafter(
+            self.programs.drafter = build_drafter(
                 proposer, self.stages[-1], self.kv_layout, buckets, config.vocab_size, self.attention_impl,
                 self.kv_dtype, parallel.tensor_parallel_size, self.programs, self.head_inputs)
         if self.stages[0].mesh.devices.flat[0].process_index != 0:
@@ -171,6 +170,12 @@ class ModelRunner:
     @executable_store.setter
     def executable_store(self, store: ExecutableStore) -> None:
         self.programs.executable_store = store
+
+    @property
+    def drafter(self):
+        """The draft model's runner (draft_model.py), None without one: `programs` holds it, as it
+        compiles the draft model's programs with the target's."""
+        return self.programs.drafter
 
     @property
     def num_pages(self) -> int:

@@ -42,8 +42,9 @@ class Programs:
     """The compiled programs of a runner's local stages (in each `Stage.executables`) and which of
     them have run once. A stored program is keyed by what it depends on: the model config, the
     attention and matmul implementations, the matmul precision, the proposer, the KV layout and the
-    stage's linear methods. `drafter` (the draft model's runner, set by the runner once built)
-    compiles its own programs through `compile_draft`."""
+    stage's linear methods. `drafter`, the draft model's runner (draft_model.py), is held here alone
+    (the runner sets it once built, and reads it here): its programs are compiled, through
+    `compile_draft`, and counted with the target's."""
 
     def __init__(self, stages: list[Stage], config: ModelConfig, buckets: Buckets, kv_layout: KVLayout,
                  executable_store: ExecutableStore, head_inputs: HeadInputs, *, attention_impl: str,

@@ -1,6 +1,8 @@
 """Engines over the session's shared runners (tests/conftest.py): the scheduling policy lives in the
 engine, so one runner (one set of compiled buckets) serves engines of every policy."""
 
+import dataclasses
+
 from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
 from orca_jax.engine.engine import LLMEngine
 
@@ -85,3 +87,42 @@ def diverging_requests(batched, solo, *, max_drift: float) -> list[int]:
         else:
             assert len(b.token_ids) == len(s.token_ids), index
     return diverged
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """How far a batched request may stray from its solo run. Requests that asked for logprobs
+    (greedy ones) have each chosen token's logprob within `max_drift` nats of solo's. Without
+    `near_ties` every request gives its solo tokens and finish reason; with it (bfloat16), up to a
+    third of them may leave their solo path at a near-tie (diverging_requests; every request must
+    then ask for logprobs)."""
+
+    max_drift: float = FLOAT32_MAX_DRIFT
+    near_ties: bool = False
+
+
+EQUAL = Tolerance()  # float32: the same tokens, logprobs equal up to rounding
+
+
+def run_solo(new_engine, requests) -> list:
+    """Each of `requests` ([(prompt_token_ids, SamplingParams)]) alone, on an engine of its own
+    from `new_engine()`."""
+    return [run_all(new_engine(), [request])[0] for request in requests]
+
+
+def check_batched_equals_solo(engine, requests, solo, tolerance: Tolerance = EQUAL) -> list:
+    """Batched == solo (docs/numerics.md, "Batch invariance"; test_batched_equals_solo.py runs it over
+    every runner): runs `requests` together on `engine` and holds each output to `solo`, its solo
+    run, within `tolerance`. Returns the batched outputs."""
+    batched = run_all(engine, requests)
+    assert engine.num_steps < sum(len(o.outputs[0].token_ids) for o in solo)  # requests did share steps
+    if tolerance.near_ties:
+        diverged = diverging_requests(batched, solo, max_drift=tolerance.max_drift)
+        assert len(diverged) <= len(requests) // 3, diverged  # near-ties are rare: measured 0 to 2 of 9
+        return batched
+    assert [o.outputs[0].token_ids for o in batched] == [o.outputs[0].token_ids for o in solo]
+    assert [o.outputs[0].finish_reason for o in batched] == [o.outputs[0].finish_reason for o in solo]
+    with_logprobs = [i for i, (_, params) in enumerate(requests) if params.logprobs]
+    assert diverging_requests([batched[i] for i in with_logprobs], [solo[i] for i in with_logprobs],
+                              max_drift=tolerance.max_drift) == []
+    return batched

@@ -97,17 +97,6 @@ def test_draft_kv_survives_preemption_abort_and_prefix_cache(tiny_trained):
     assert runner.num_compilations_after_warmup == 0
 
 
-def test_seeded_draft_model_request_is_the_same_alone_and_batched(tiny_noisy_draft_runner, tiny_trained):
-    requests = tiny_requests("seeded")
-    batched = run_all(make_engine(tiny_noisy_draft_runner, tiny_trained, "chunked", **TINY_LIMITS,
-                                  speculative_config=SPEC), requests)
-    for one, out in list(zip(requests, batched))[-4:]:
-        alone = run_all(make_engine(tiny_noisy_draft_runner, tiny_trained, "chunked", **TINY_LIMITS,
-                                    speculative_config=SPEC), [one])[0]
-        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
-        assert alone.metrics.num_draft_tokens > 0
-
-
 def test_rejection_sampling_against_a_draft_model_keeps_the_target_distribution(tiny_noisy_draft_runner,
                                                                                 tiny_trained, tiny_noisy_draft):
     """Many seeded draws of the second output token, which is verified against a draft drawn from the

@@ -1,15 +1,10 @@
 """The engine in bfloat16 (weights, activations and KV pages; what a GPU user runs) against float32:
 top-1 agreement, teacher-forced, on the tiny model's counting workload and on SmolLM2's reference
-fixtures; and within bfloat16, a request batched follows its solo run up to rounding (greedy): the
-same tokens, logprobs within BFLOAT16_MAX_DRIFT, parting only at a near-tie (tests/engine/conftest.py)."""
-
-import pytest
+fixtures (within bfloat16, a request batched follows its solo run: test_batched_equals_solo.py)."""
 
 from orca_jax.sampling_params import SamplingParams
 
-from .conftest import (BFLOAT16_MAX_DRIFT, SMOLLM2_LIMITS, TINY_LIMITS, diverging_requests, greedy_with_logprobs,
-                       make_engine, run_all)
-from .test_engine_smollm2 import requests  # noqa: F401 - the module fixture of SmolLM2 prompts
+from .conftest import SMOLLM2_LIMITS, TINY_LIMITS, make_engine, run_all
 from .test_engine_tiny import greedy, workload
 
 MIN_AGREEMENT = 0.95  # issue 12's bar for top-1 agreement with float32
@@ -66,27 +61,3 @@ def check_logprob_drift(picks, smollm2_reference) -> None:
     # bf16 keeps about 3 significant digits: measured 0.019 nats mean, 0.084 max (README).
     assert len(drifts) >= 0.95 * sum(len(c["teacher_forced_top10"]) for c in smollm2_reference["cases"])
     assert sum(drifts) / len(drifts) < MAX_MEAN_LOGPROB_DRIFT and max(drifts) < MAX_LOGPROB_DRIFT, drifts
-
-
-def batched_and_solo(runner, loaded, requests, limits):
-    """The requests' outputs run together, and each run alone."""
-    batched = run_all(make_engine(runner, loaded, "chunked", **limits), requests)
-    solo = [run_all(make_engine(runner, loaded, "chunked", **limits), [request])[0] for request in requests]
-    return batched, solo
-
-
-def test_tiny_bfloat16_batched_follows_solo(tiny_bf16_runner, tiny_bf16):
-    requests = [(p, greedy_with_logprobs(m)) for p, m in workload()]
-    batched, solo = batched_and_solo(tiny_bf16_runner, tiny_bf16, requests, TINY_LIMITS)
-    # The counting model is sure of every token (no near-ties): no request leaves its path.
-    assert diverging_requests(batched, solo, max_drift=BFLOAT16_MAX_DRIFT) == []
-    assert tiny_bf16_runner.num_compilations_after_warmup == 0
-
-
-def test_smollm2_bfloat16_batched_follows_solo(smollm2_bf16_runner, smollm2_bf16, requests):  # noqa: F811
-    # 9 requests for 8 slots, outputs capped at 8 tokens: bf16 is slow on XLA:CPU.
-    batched, solo = batched_and_solo(smollm2_bf16_runner, smollm2_bf16,
-                                     [(p, greedy_with_logprobs(min(m, 8))) for p, m in requests], SMOLLM2_LIMITS)
-    diverged = diverging_requests(batched, solo, max_drift=BFLOAT16_MAX_DRIFT)
-    assert len(diverged) <= len(requests) // 3, diverged  # near-ties are rare: measured 0 to 2 of 9
-    assert smollm2_bf16_runner.num_compilations_after_warmup == 0

@@ -1,13 +1,11 @@
-"""The engine on the real SmolLM2 weights: the reference greedy continuations, and batched == solo
-for every policy, greedy and seeded sampling."""
+"""The engine on the real SmolLM2 weights: the reference greedy continuations, and async scheduling
+against steps taken one at a time (batched == solo: test_batched_equals_solo.py)."""
 
 import pytest
 
 from orca_jax.sampling_params import SamplingParams
 
 from .conftest import FLOAT32_MAX_DRIFT, SMOLLM2_LIMITS, diverging_requests, greedy_with_logprobs, make_engine, run_all
-
-POLICIES = ["static", "orca", "paged", "chunked"]
 
 EXTRA_PROMPTS = [
     "Once upon a time, in a small village by the sea,",
@@ -19,13 +17,17 @@ EXTRA_PROMPTS = [
 ]
 
 
+def smollm2_requests(tokenizer, smollm2_reference) -> list[tuple[list[int], int]]:
+    """Reference prompts plus others: 9 requests for 8 slots, prompt lengths 5..35 tokens (around
+    the page size of 16), outputs of 3..20 tokens: [(prompt_token_ids, max_tokens)]."""
+    prompts = [c["prompt_ids"] for c in smollm2_reference["cases"]]
+    prompts += [tokenizer.encode(p) for p in EXTRA_PROMPTS]
+    return [(p, 3 + (7 * i) % 18) for i, p in enumerate(prompts)]
+
+
 @pytest.fixture(scope="module")
 def requests(smollm2, smollm2_reference):
-    """Reference prompts plus others: 9 requests for 8 slots, prompt lengths 5..35 tokens (around
-    the page size of 16), outputs of 3..20 tokens."""
-    prompts = [c["prompt_ids"] for c in smollm2_reference["cases"]]
-    prompts += [smollm2.tokenizer.encode(p) for p in EXTRA_PROMPTS]
-    return [(p, 3 + (7 * i) % 18) for i, p in enumerate(prompts)]
+    return smollm2_requests(smollm2.tokenizer, smollm2_reference)
 
 
 def test_engine_greedy_matches_the_reference(smollm2, smollm2_runner, smollm2_reference):
@@ -42,29 +44,6 @@ def workload(requests, sampling):
     return [(p, greedy_with_logprobs(m) if sampling == "greedy"
              else SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=m, seed=i))
             for i, (p, m) in enumerate(requests)]
-
-
-@pytest.fixture(scope="module")
-def solo_outputs(smollm2, smollm2_runner, requests):
-    """Each request run alone (one engine per request): the same for every policy, so computed once."""
-    return {
-        sampling: [run_all(make_engine(smollm2_runner, smollm2, "chunked", **SMOLLM2_LIMITS), [r])[0]
-                   for r in workload(requests, sampling)]
-        for sampling in ("greedy", "seeded")
-    }
-
-
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-def test_batched_equals_solo(smollm2, smollm2_runner, requests, solo_outputs, policy, sampling):
-    engine = make_engine(smollm2_runner, smollm2, policy, **SMOLLM2_LIMITS)
-    batched = run_all(engine, workload(requests, sampling))
-    solo = solo_outputs[sampling]
-    assert engine.num_steps < sum(len(o.outputs[0].token_ids) for o in solo)  # requests did share steps
-    assert [out.outputs[0].token_ids for out in batched] == [o.outputs[0].token_ids for o in solo]
-    if sampling == "greedy":  # float32: the same tokens, and logprobs equal up to rounding
-        assert diverging_requests(batched, solo, max_drift=FLOAT32_MAX_DRIFT) == []
-    assert smollm2_runner.num_compilations_after_warmup == 0
 
 
 @pytest.mark.parametrize("policy", ["orca", "chunked"])

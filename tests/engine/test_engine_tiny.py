@@ -1,5 +1,5 @@
-"""The engine on the trained tiny model: batch invariance per policy, right answers in a crowd,
-sampling features, zero recompiles."""
+"""The engine on the trained tiny model: right answers in a crowd, sampling features, zero
+recompiles (batch invariance: test_batched_equals_solo.py)."""
 
 import random
 
@@ -34,22 +34,6 @@ def greedy(max_tokens):
 
 def seeded(max_tokens, seed):
     return SamplingParams(temperature=3.0, top_p=0.95, max_tokens=max_tokens, seed=seed)
-
-
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-@pytest.mark.parametrize("runner_fixture", ["tiny_runner", "tiny_native_runner"])
-def test_batched_equals_solo(runner_fixture, tiny_trained, policy, sampling, request):
-    tiny_runner = request.getfixturevalue(runner_fixture)
-    requests = [(p, greedy(m) if sampling == "greedy" else seeded(m, 100 + i)) for i, (p, m) in enumerate(workload())]
-    engine = make_engine(tiny_runner, tiny_trained, policy, **TINY_LIMITS)
-    batched = run_all(engine, requests)
-    assert engine.num_steps < sum(len(o.outputs[0].token_ids) for o in batched)  # it did batch
-    for one, out in zip(requests, batched):
-        solo = run_all(make_engine(tiny_runner, tiny_trained, policy, **TINY_LIMITS), [one])[0]
-        assert out.outputs[0].token_ids == solo.outputs[0].token_ids
-        assert out.outputs[0].finish_reason == solo.outputs[0].finish_reason
-    assert tiny_runner.num_compilations_after_warmup == 0
 
 
 def test_right_continuations_in_a_crowded_batch(tiny_runner, tiny_trained):

@@ -54,16 +54,6 @@ def test_speculation_on_equals_off_every_policy(tiny_runner, tiny_spec_runner, t
     assert tiny_spec_runner.num_compilations_after_warmup == 0
 
 
-def test_seeded_request_with_speculation_is_the_same_alone_and_batched(tiny_spec_runner, tiny_trained):
-    requests = tiny_requests("seeded")
-    batched = run_all(make_engine(tiny_spec_runner, tiny_trained, "chunked", **TINY_LIMITS, speculative_config=SPEC),
-                      requests)
-    for one, out in list(zip(requests, batched))[-4:]:
-        alone = run_all(make_engine(tiny_spec_runner, tiny_trained, "chunked", **TINY_LIMITS,
-                                    speculative_config=SPEC), [one])[0]
-        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
-
-
 @pytest.mark.parametrize("policy", POLICIES)
 def test_pipeline_of_two_stages_with_speculation_equals_one_stage(tiny_runner, tiny_spec_pp2_runner, tiny_trained,
                                                                   policy):
