@@ -47,6 +47,10 @@ def _has_every_file(folder: Path) -> bool:
 
 @pytest.fixture(scope="session")
 def vocab_dir() -> Path:
+    return find_vocab_dir()
+
+
+def find_vocab_dir() -> Path:
     unpacked = BUILD / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp" / "models"
     if _has_every_file(unpacked):
         return unpacked
