@@ -11,12 +11,11 @@ they do not are pinned (tests/checkpoint/test_llama_cpp_vocab_vectors.py holds a
 llama.cpp's vectors, which are the ids of Llama 2's own tokenizer).
 """
 
-import re
-
 import dataclasses
 import io
 import json
 import random
+import re
 import sys
 import types
 
@@ -242,7 +241,7 @@ def reference(spm_files, tokenizers):
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma", "llama-eos", "phi3"])
-def test_ids_equal_llama_cpps(tokenizers, reference, name):
+def test_ids_equal_llama_cpp(tokenizers, reference, name):
     ours, _ = tokenizers[name]
     for text in TEXTS + STYLE_TEXTS["gemma" if name == "gemma" else "llama"]:
         assert ours.encode(text) == reference[name](text), text
