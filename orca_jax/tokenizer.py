@@ -171,37 +171,34 @@ def byte_level_bpe(
     tokens: Sequence[str],
     merges: Sequence[str],
     special_token_ids: Sequence[int],
-    split_digits: bool,
-    split_regex: str | None = None,
+    split_regexes: Sequence[str],
+    ignore_merges: bool = False,
+    user_defined_ids: Sequence[int] = (),
 ) -> HFTokenizer:
     """A GPT-2 style byte-level BPE tokenizer from a vocabulary and "a b" merge lines.
 
-    `split_digits` puts every digit in its own pre-token first (SmolLM2's pre-tokenizer);
-    `split_regex` splits by that pattern instead of GPT-2's (Llama 3, Qwen2: as their tokenizer.json).
+    `special_token_ids` are matched whole in the text and skipped by `decode(skip_special_tokens=True)`;
+    `user_defined_ids` (spelled as plain text, not in bytes: GPT-NeoX's runs of spaces) are matched
+    whole and kept. The rest of the text is cut by each of `split_regexes` in turn (every match and every stretch between matches
+    a piece), then each piece is spelled in bytes and merged. `ignore_merges` takes a piece that is a
+    token of the vocabulary as that token without merging (Llama 3's tokenizer.json says so).
     """
+    if not split_regexes:
+        raise ValueError("byte_level_bpe needs at least one split regex (GPT-2's, for instance)")
     vocab = {token: i for i, token in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split_regex is None)
-    if split_regex is not None:
-        hf.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split_regex), behavior="isolated", invert=False), byte_level])
-    elif split_digits:
-        hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    else:
-        hf.pre_tokenizer = byte_level
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
+                                ignore_merges=ignore_merges))
+    splits = [pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False) for regex in split_regexes]
+    hf.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                  use_regex=False)])
     hf.decoder = decoders.ByteLevel()
     hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special_token_ids])
+    hf.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user_defined_ids])
     return hf
 
 
 SPACE = "\u2581"  # "▁": how SentencePiece pieces spell a space
-# Where a SentencePiece tokenizer puts the space it adds before the text (its "dummy prefix"):
-SPACE_PREFIXES = (
-    "first",  # before the text's first word only, not after a special token (Llama, Mistral: transformers' rule)
-    "every",  # before every stretch of text between special tokens (Phi-3, as transformers builds it; llama.cpp's rule)
-    "none",  # nowhere (Gemma)
-)
 
 
 def sentencepiece_bpe(
@@ -211,29 +208,34 @@ def sentencepiece_bpe(
     special_token_ids: Sequence[int],
     user_defined_ids: Sequence[int],
     unk_token_id: int | None,
-    space_prefix: str,
+    space_prefix: bool,
 ) -> HFTokenizer:
     """A SentencePiece BPE tokenizer (Llama 2, Mistral, TinyLlama, Gemma, Phi-3) from its pieces.
 
     Spaces are spelled "▁" and nothing else is normalized; a character the vocabulary lacks is spelled
     by its UTF-8 bytes (the `<0x41>` pieces). `special_token_ids` (control tokens) are matched whole in
     the text and skipped by `decode(skip_special_tokens=True)`; `user_defined_ids` are matched whole
-    and kept. `space_prefix` is one of SPACE_PREFIXES.
+    and kept.
+
+    `space_prefix` (SentencePiece's "dummy prefix") puts a space before every stretch of text between
+    the tokens matched whole, also before a stretch that starts with a space (" Hello" is "▁▁Hello"):
+    SentencePiece itself adds it to every text it encodes, the models were trained on text encoded so
+    a stretch at a time (Meta's Llama 2 chat code encodes each turn on its own), and llama.cpp does the
+    same. transformers' GGUF loader (and HF's non-legacy Llama tokenizer) adds it only at the start,
+    and not before a space; that gives other ids for such texts.
     """
-    if space_prefix not in SPACE_PREFIXES:
-        raise ValueError(f"space_prefix {space_prefix!r} is not one of {SPACE_PREFIXES}")
     vocab = {token: i for i, token in enumerate(tokens)}
     unk = tokens[unk_token_id] if unk_token_id is not None else None
     hf = HFTokenizer(models.BPE(vocab=vocab, merges=list(merges), unk_token=unk, fuse_unk=True, byte_fallback=True))
-    if space_prefix == "every":  # a normalizer runs on each stretch of text the special tokens leave
-        hf.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
-    else:  # split=False: the text stays one word, so merges may cross spaces as SentencePiece's do
-        hf.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement=SPACE, prepend_scheme="never" if space_prefix == "none" else "first", split=False)
-    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-    if space_prefix != "none":  # the prefix the encoder added is not part of the text
-        steps.append(decoders.Strip(content=" ", left=1, right=0))
-    hf.decoder = decoders.Sequence(steps)
+    # A normalizer runs on each stretch of text the tokens matched whole leave, and Prepend always
+    # prepends (Metaspace's prepend would skip a stretch that starts with a space). No pre-tokenizer:
+    # the text stays one word, so merges may cross spaces as SentencePiece's do.
+    steps = [normalizers.Prepend(SPACE)] if space_prefix else []
+    hf.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", SPACE)])
+    decode = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if space_prefix:  # the prefix the encoder added is not part of the text
+        decode.append(decoders.Strip(content=" ", left=1, right=0))
+    hf.decoder = decoders.Sequence(decode)
     hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special_token_ids])
     hf.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user_defined_ids])
     return hf

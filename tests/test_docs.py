@@ -62,3 +62,12 @@ def test_configuration_page_documents_every_setting():
             assert f"## [{s.name}]" in page, s.name
             for f in dataclasses.fields(s.table_class):
                 assert f"| `{f.name}` |" in page, f"{s.name}.{f.name}"
+
+
+def test_models_page_lists_exactly_the_gguf_pre_tokenizers():
+    """docs/models.md's GGUF tokenizer table names every pre-tokenizer the import accepts, and no other."""
+    from orca_jax.checkpoint.gguf_pre_tokenizers import PRE_TOKENIZERS
+
+    page = (REPO_ROOT / "docs" / "models.md").read_text()
+    [row] = re.findall(r"^\| `gpt2` \| byte-level BPE \|(.*)\|$", page, flags=re.M)
+    assert sorted(re.findall(r"`([^`]+)`", row)) == sorted(PRE_TOKENIZERS)

@@ -12,9 +12,11 @@ BF16) keeps that dtype, as the HF import does. Llama 3.x files carry their RoPE 
 `rope_freqs` tensor (one divisor per rotary pair, computed by llama.cpp's converter from the HF
 `rope_scaling`); it is kept exactly as `rope_scaling = "freq_factors"`.
 
-Tokenizers: byte-level BPE (`tokenizer.ggml.model` "gpt2") and SentencePiece BPE ("llama": Llama 2,
-Mistral, TinyLlama, Gemma, Phi-3), rebuilt from the file's vocabulary, scores or merges, token types
-and flags so that they give transformers' ids for the same file.
+Tokenizers: byte-level BPE (`tokenizer.ggml.model` "gpt2", with the pre-tokenizers of
+checkpoint/gguf_pre_tokenizers.py) and SentencePiece BPE ("llama": Llama 2, Mistral, TinyLlama,
+Gemma, Phi-3), rebuilt from the file's vocabulary, scores or merges, token types and flags so that
+they give llama.cpp's ids for the same file, which are the model's own tokenizer's
+(tests/checkpoint/test_llama_cpp_vocab_vectors.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from orca_jax.checkpoint.gguf_pre_tokenizers import IGNORE_MERGES, PRE_TOKENIZERS
 from orca_jax.checkpoint.hf_families import split_fused_phi3
 from orca_jax.checkpoint.layout import ImportedModel, Part, names_by_part
 from orca_jax.config import ModelConfig
@@ -38,15 +41,6 @@ ROPE_FREQS = "rope_freqs.weight"
 GGUF_FILE = "model.gguf"
 # Weight types kept as they are; every other type is dequantized to float32.
 KEPT_TYPES = {gguf.GGMLQuantizationType.F16: "float16", gguf.GGMLQuantizationType.BF16: "bfloat16"}
-# llama.cpp pre-tokenizer names that are byte-level BPE with digits split one by one first.
-SPLIT_DIGIT_PRE_TOKENIZERS = ("smollm",)
-# Pre-tokenizers that split by a regex before byte-level BPE (llama.cpp's names); as in the models'
-# own tokenizer.json: Llama 3 groups up to three digits, Qwen2 takes digits one by one.
-_REGEX_HEAD = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
-_REGEX_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-REGEX_PRE_TOKENIZERS = {"llama-bpe": _REGEX_HEAD + r"\p{N}{1,3}" + _REGEX_TAIL,
-                        "qwen2": _REGEX_HEAD + r"\p{N}" + _REGEX_TAIL}
-PLAIN_BYTE_LEVEL_PRE_TOKENIZERS = ("gpt2", "default")
 SUPPORTED_TOKENIZERS = ("gpt2", "llama")  # tokenizer.ggml.model: byte-level BPE, SentencePiece BPE
 
 
@@ -224,28 +218,32 @@ def _token_types(reader: gguf.GGUFReader, count: int) -> list[int]:
 
 def _byte_level_tokenizer(reader: gguf.GGUFReader, path: str | Path):
     pre = _field(reader, "tokenizer.ggml.pre", "default")
-    supported = [*SPLIT_DIGIT_PRE_TOKENIZERS, *PLAIN_BYTE_LEVEL_PRE_TOKENIZERS, *REGEX_PRE_TOKENIZERS]
-    if pre not in supported:
+    if pre not in PRE_TOKENIZERS:
         raise GGUFImportError(
-            f"{path}: pre-tokenizer {pre!r} is not supported (supported: {supported}). "
-            "Convert the HF folder instead (its tokenizer.json is used as is)."
+            f"{path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported (supported: "
+            f"{sorted(PRE_TOKENIZERS)}). Convert the HF folder instead (its tokenizer.json is used as is)."
         )
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    control = [i for i, t in enumerate(_token_types(reader, len(tokens))) if t == gguf.TokenType.CONTROL]
-    return byte_level_bpe(tokens, _field(reader, "tokenizer.ggml.merges", []), control,
-                          split_digits=pre in SPLIT_DIGIT_PRE_TOKENIZERS, split_regex=REGEX_PRE_TOKENIZERS.get(pre))
+    types = _token_types(reader, len(tokens))
+    # Matched whole in a prompt, as llama.cpp does: control tokens, and user-defined ones (which the
+    # converter writes as text, not in bytes)
+    return byte_level_bpe(
+        tokens, _field(reader, "tokenizer.ggml.merges", []),
+        special_token_ids=[i for i, t in enumerate(types) if t == gguf.TokenType.CONTROL],
+        user_defined_ids=[i for i, t in enumerate(types) if t == gguf.TokenType.USER_DEFINED],
+        split_regexes=PRE_TOKENIZERS[pre], ignore_merges=pre in IGNORE_MERGES)
 
 
 def _sentencepiece_tokenizer(reader: gguf.GGUFReader, path: str | Path, arch: str):
     """A GGUF holds a SentencePiece model's pieces, scores and token types but not its normalizer, so
     what the file does not say is decided by architecture, as transformers' GGUF loader does:
-    - Gemma: the merges are ranked by the pieces' order in the file (Gemma's scores do not follow
-      its merge order), and llama.cpp's converter writes its whitespace-run tokens ("▁▁", ...) with
-      real spaces, which are spelled back as pieces here;
-    - Phi-3: the space prefix goes before every stretch of text between special tokens;
-    - the others (Llama, Mistral, ...): before the first word.
-    A file's `add_space_prefix` false (Gemma's) turns the prefix off; when it is absent, the prefix is
-    on except for Gemma. transformers ignores the flag where llama.cpp follows it; it is followed here."""
+    Gemma's merges are ranked by the pieces' order in the file (Gemma's scores do not follow its merge
+    order), and llama.cpp's converter writes its whitespace-run tokens ("▁▁", ...) with real spaces,
+    which are spelled back as pieces here.
+    The space prefix follows the file's `add_space_prefix` (when absent: on, except for Gemma) and goes
+    where llama.cpp puts it: before every stretch of text between the tokens matched whole, also before one that
+    starts with a space (sentencepiece_bpe says why); transformers ignores the flag, and puts the prefix
+    only before the first word for Llama and Mistral."""
     file_tokens = list(_field(reader, "tokenizer.ggml.tokens"))
     types = _token_types(reader, len(file_tokens))
     gemma = arch in GEMMA_ARCHITECTURES
@@ -264,10 +262,6 @@ def _sentencepiece_tokenizer(reader: gguf.GGUFReader, path: str | Path, arch: st
     unk = _field(reader, "tokenizer.ggml.unknown_token_id")
     if unk is None or not 0 <= unk < len(tokens):
         unk = next((i for i, t in enumerate(types) if t == gguf.TokenType.UNKNOWN), None)
-    if not _field(reader, "tokenizer.ggml.add_space_prefix", not gemma):
-        space_prefix = "none"
-    else:
-        space_prefix = "every" if arch == "phi3" else "first"
     # Matched whole in a prompt: the control tokens and the file's named ones (as transformers and
     # llama.cpp, which parses special tokens in a prompt, do).
     named = [_field(reader, f"tokenizer.ggml.{key}_token_id") for key in ("bos", "eos", "unknown", "padding")]
@@ -280,5 +274,5 @@ def _sentencepiece_tokenizer(reader: gguf.GGUFReader, path: str | Path, arch: st
         user_defined_ids=[i for i, t in enumerate(types)
                           if t == gguf.TokenType.USER_DEFINED and tokens[i] == file_tokens[i]],
         unk_token_id=unk,
-        space_prefix=space_prefix,
+        space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", not gemma)),
     )
