@@ -123,11 +123,16 @@ def p99(values: list[float]) -> float:
     return float(np.percentile(values, 99)) if values else 0.0
 
 
-def run_point(settings: Settings, workload: Workload, rate: float, model: CostModel) -> Point:
+def simulate_at(settings: Settings, workload: Workload, rate: float, model: CostModel) -> SimResult:
+    """The simulated run of the workload at `rate`, each request with its times."""
     config = SimConfig(settings.policy, settings.max_num_seqs, settings.max_num_batched_tokens, settings.page_size,
                        settings.num_pages)
-    result: SimResult = simulate_arrivals(list(workload.lengths), workload.arrivals(rate), config,
-                                          model.pricer(settings.max_num_seqs, settings.max_num_batched_tokens))
+    return simulate_arrivals(list(workload.lengths), workload.arrivals(rate), config,
+                             model.pricer(settings.max_num_seqs, settings.max_num_batched_tokens))
+
+
+def run_point(settings: Settings, workload: Workload, rate: float, model: CostModel) -> Point:
+    result = simulate_at(settings, workload, rate, model)
     return Point(rate, p99(result.ttft_s()), p99(result.tpot_s()), result.num_preemptions, result.kv_bound,
                  result.num_steps, result.end_s)
 

@@ -54,6 +54,7 @@ class SimConfig:
 class SimStep:
     chunks: tuple[tuple[int, int], ...]  # (start, num_new) of each scheduled sequence, in the plan's order
     num_padding_seqs: int = 0  # static: finished members still occupying a batch row
+    end_s: float = 0.0  # simulate_arrivals: the clock when the step's tokens are out
 
     @property
     def num_tokens(self) -> int:
@@ -111,6 +112,7 @@ class _Req:
     running: bool = False
     finished: bool = False
     arrival_s: float = 0.0
+    scheduled_s: float | None = None  # when the step that first scheduled it began
     first_token_s: float = 0.0  # when its first token was released
     finish_s: float = 0.0  # when its last token was released
 
@@ -244,8 +246,11 @@ class _Simulator:
                 continue  # a step that only preempted: the engine runs nothing and counts nothing
             step = SimStep(tuple((r.computed, n) for r, n in plan), padding)
             self.steps.append(step)
+            for r, _ in plan:
+                r.scheduled_s = self.clock if r.scheduled_s is None else r.scheduled_s
             if step_seconds is not None:
                 self.clock += step_seconds(step)
+            step.end_s = self.clock
             for r, num_new in plan:
                 samples = r.computed + num_new == r.num_tokens
                 r.computed += num_new
