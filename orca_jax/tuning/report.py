@@ -67,7 +67,7 @@ def per_request(simulated, measured: list | None) -> list[dict]:
         m = measured[i] if measured else None
         if m is not None and m.ok:
             row.update(ttft_s=m.ttft_s, tpot_s=None if m.output_tokens < 2 else m.tpot_s,
-                       send_lag_s=m.sent_at - m.scheduled_at)
+                       output_tokens=m.output_tokens, send_lag_s=m.sent_at - m.scheduled_at)
         rows.append(row)
     return rows
 

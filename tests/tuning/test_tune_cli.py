@@ -40,6 +40,7 @@ def test_tune_on_the_tiny_model_writes_a_toml_the_server_starts_with(tmp_path):
     # Each request's TTFT and TPOT, simulated and measured side by side, make up the p99s above.
     rows = data["per_request"]
     assert len(rows) == 40 and all(r["ttft_s"] > 0 and r["sim_ttft_s"] > 0 and r["send_lag_s"] >= 0 for r in rows)
+    assert [r["output_tokens"] for r in rows] == [r["max_tokens"] for r in rows]  # the same request on each row
     assert p99([r["ttft_s"] for r in rows]) == pytest.approx(measured["ttft_p99_s"])
     assert p99([r["sim_ttft_s"] for r in rows]) == pytest.approx(predicted["ttft_p99_s"])
     assert p99([r["sim_tpot_s"] for r in rows]) == pytest.approx(predicted["tpot_p99_s"])
