@@ -123,10 +123,16 @@ def p99(values: list[float]) -> float:
     return float(np.percentile(values, 99)) if values else 0.0
 
 
+def sim_config(settings: Settings) -> SimConfig:
+    """The engine the tuned TOML starts: async scheduling on, as `serve` defaults to (one stage, no
+    draft model), so each step is planned while the one before computes."""
+    return SimConfig(settings.policy, settings.max_num_seqs, settings.max_num_batched_tokens, settings.page_size,
+                     settings.num_pages, async_scheduling=True)
+
+
 def simulate_at(settings: Settings, workload: Workload, rate: float, model: CostModel) -> SimResult:
     """The simulated run of the workload at `rate`, each request with its times."""
-    config = SimConfig(settings.policy, settings.max_num_seqs, settings.max_num_batched_tokens, settings.page_size,
-                       settings.num_pages)
+    config = sim_config(settings)
     return simulate_arrivals(list(workload.lengths), workload.arrivals(rate), config,
                              model.pricer(settings.max_num_seqs, settings.max_num_batched_tokens))
 
@@ -173,9 +179,7 @@ def candidates(space: Space, workload: Workload, num_pages_for: Callable[[int], 
 def saturation_rate(settings: Settings, workload: Workload, model: CostModel) -> float:
     """Requests/s the settings complete with every request queued at once: no rate above it can be
     sustained, so the capacity bisection starts below it."""
-    config = SimConfig(settings.policy, settings.max_num_seqs, settings.max_num_batched_tokens, settings.page_size,
-                       settings.num_pages)
-    result = simulate_arrivals(list(workload.lengths), [0.0] * len(workload.lengths), config,
+    result = simulate_arrivals(list(workload.lengths), [0.0] * len(workload.lengths), sim_config(settings),
                                model.pricer(settings.max_num_seqs, settings.max_num_batched_tokens))
     return len(workload.lengths) / result.end_s
 
