@@ -70,8 +70,9 @@ def grid(token_buckets, seq_buckets, max_model_len: int) -> list[tuple[tuple[int
     """The measured shapes, as chunk tuples (module docstring). Steps of the chunked policy under
     load are mixed: a prompt chunk beside many decodes, so those are timed at every sequence bucket
     for two token buckets, with the decodes at a short and at a long context (a decode row's
-    attention costs what a prompt token's does not: cost_model.py); above 256 tokens a step is all matmul and a prompt alone: the
-    long-context and mixed shapes are taken below that, where they are cheap to time."""
+    attention costs per position what a prompt token's does not: cost_model.py); above 256 tokens
+    a step is all matmul and a prompt alone: the long-context and mixed shapes are taken below
+    that, where they are cheap to time."""
     short, long = min(64, max_model_len // 8), min(512, max_model_len // 2)
     shapes = [((context, 1),) * s for s in seq_buckets for context in (short, long)]
     mixed_seqs = seq_buckets[len(seq_buckets) // 2]  # a middle sequence bucket

@@ -56,12 +56,17 @@ def side_by_side(predicted: dict, measured: dict | None, target: Target) -> str:
 def per_request(simulated, measured: list | None) -> list[dict]:
     """Each request of the verifying run, simulated and measured side by side (same arrival, same
     lengths), so that a bias in the p99s can be traced to the requests that carry it: the simulated
-    wait (arrival to the step that first schedules it), TTFT and TPOT, and the measured TTFT and TPOT
-    with the load generator's own lag (the request's due time to its POST). `simulated`: the
-    simulation's SimResult at the run's rate; `measured`: loadgen's Measured of each request."""
+    queue it joined, wait (arrival to the step that first schedules it), TTFT and TPOT, and the
+    measured TTFT and TPOT with the load generator's own lag (the request's due time to its POST).
+    `simulated`: the simulation's SimResult at the run's rate; `measured`: loadgen's Measured of
+    each request. (bench/ttft_breakdown.py splits the measured TTFT further, from a traced server.)"""
     rows = []
-    for i, r in enumerate(simulated.requests):
+    requests = simulated.requests
+    for i, r in enumerate(requests):
+        # The queue it joined: requests that arrived before it and were not yet scheduled.
+        queue = sum(1 for q in requests[:i] if q.scheduled_s > r.arrival_s)
         row = {"prompt_len": r.prompt_len, "max_tokens": r.max_tokens, "arrival_s": r.arrival_s,
+               "sim_queue_at_arrival": queue,
                "sim_wait_s": r.scheduled_s - r.arrival_s, "sim_ttft_s": r.first_token_s - r.arrival_s,
                "sim_tpot_s": (r.finish_s - r.first_token_s) / (r.max_tokens - 1) if r.max_tokens > 1 else None}
         m = measured[i] if measured else None

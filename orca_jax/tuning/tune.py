@@ -39,7 +39,7 @@ from orca_jax.config import DEFAULT_MODEL, DTYPE_CHOICES, QUANTIZATION_CHOICES, 
 from orca_jax.sizes import byte_size, format_bytes
 from orca_jax.tuning.cost_model import CostModel
 from orca_jax.tuning.report import grouped, outcome_json, per_request, plot, side_by_side, summary, table
-from orca_jax.tuning.search import Space, Target, p99, search, simulate_at
+from orca_jax.tuning.search import Space, Target, p99, search, sensitivity, simulate_at
 from orca_jax.tuning.workload import (LENGTH_DISTRIBUTIONS, Workload, WorkloadSpec, describe, load_jsonl,
                                       workload_of_requests, workload_of_spec)
 
@@ -313,7 +313,11 @@ def run(args: argparse.Namespace) -> dict:
                                     and measured["tpot_p99_s"] <= target.tpot_p99_s)
         if measured["errors"]:
             print(f"failed requests in the real run: {measured['errors']}", file=sys.stderr)
+    predicted["step_cost_sensitivity"] = sensitivity(settings, workload, rate, model)
+    low, high = predicted["step_cost_sensitivity"].values()
     print(side_by_side(predicted, measured, target))
+    print(f"with every step 5% cheaper / dearer: TTFT p99 {low['ttft_p99_s']:.3f} / {high['ttft_p99_s']:.3f} s, "
+          f"TPOT p99 {low['tpot_p99_s']:.3f} / {high['tpot_p99_s']:.3f} s")
     plot_path = args.plot or (args.report.with_suffix(".png") if args.report else Path("tune.png"))
     print(plot(outcomes, target, plot_path), file=sys.stderr)
     report = {
