@@ -39,7 +39,7 @@ from orca_jax.config import DEFAULT_MODEL, DTYPE_CHOICES, QUANTIZATION_CHOICES, 
 from orca_jax.sizes import byte_size, format_bytes
 from orca_jax.tuning.cost_model import CostModel
 from orca_jax.tuning.report import grouped, outcome_json, per_request, plot, side_by_side, summary, table
-from orca_jax.tuning.search import Space, Target, p99, search, sensitivity, simulate_at
+from orca_jax.tuning.search import Space, Target, p99, search, sensitivity, simulate_at, speed_of_run
 from orca_jax.tuning.workload import (LENGTH_DISTRIBUTIONS, Workload, WorkloadSpec, describe, load_jsonl,
                                       workload_of_requests, workload_of_spec)
 
@@ -318,6 +318,13 @@ def run(args: argparse.Namespace) -> dict:
     print(side_by_side(predicted, measured, target))
     print(f"with every step 5% cheaper / dearer: TTFT p99 {low['ttft_p99_s']:.3f} / {high['ttft_p99_s']:.3f} s, "
           f"TPOT p99 {low['tpot_p99_s']:.3f} / {high['tpot_p99_s']:.3f} s")
+    if measured and measured.get("steps"):
+        scale = speed_of_run(settings, workload, rate, model, int(measured["steps"]))
+        at = simulate_at(settings, workload, rate, model, scale)
+        predicted["at_run_speed"] = {"step_scale": scale, "ttft_p99_s": p99(at.ttft_s()), "tpot_p99_s": p99(at.tpot_s())}
+        print(f"the run's {measured['steps']:.0f} iterations match steps {scale:.2f}x their measured cost; at that speed "
+              f"the simulation predicts TTFT p99 {predicted['at_run_speed']['ttft_p99_s']:.3f} s, TPOT p99 "
+              f"{predicted['at_run_speed']['tpot_p99_s']:.3f} s")
     plot_path = args.plot or (args.report.with_suffix(".png") if args.report else Path("tune.png"))
     print(plot(outcomes, target, plot_path), file=sys.stderr)
     report = {
