@@ -14,7 +14,8 @@ with the report's cost model. Per request, the measured TTFT is split at the tra
   delivery     collected -> the client read the first token chunk (outputs, event loop, streaming)
 
 and the simulation's into its wait (arrival -> start of the step that first schedules it) and
-prefill. Per step, the measured time (from the previous step's collection to this one's) is set
+prefill. Per step, the measured time (from the previous step's collection, or from its own dispatch
+if that came later, to its collection) is set
 beside the cost model's price of the very same step (its chunks as the trace recorded them), so
 the cost model is checked on the steps the server ran, not on the measured grid's.
 """
@@ -97,7 +98,9 @@ def breakdown(report: dict, rate: float, work: Path, num_requests: int | None = 
                       "prefill_tokens": sum(n for _, _, n, _ in d["chunks"] if n > 1),
                       "decodes": sum(1 for _, _, n, _ in d["chunks"] if n == 1)})
     for prev, step in zip(steps, steps[1:]):
-        step["measured_s"] = step["collected"] - prev["collected"]
+        # From the previous step's collection, or from its own dispatch when that came later (a step
+        # planned after its predecessor was in: the engine was idle, or held the plan back).
+        step["measured_s"] = step["collected"] - max(prev["collected"], step["dispatched"])
 
     first_dispatch, first_collect = {}, {f["first"]: f["t"] for f in firsts}
     for d in dispatches:
