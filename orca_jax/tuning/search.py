@@ -158,8 +158,9 @@ def run_point(settings: Settings, workload: Workload, rate: float, model: CostMo
 def speed_of_run(settings: Settings, workload: Workload, rate: float, model: CostModel, steps: int) -> float:
     """The step-cost scale at which the simulation runs as many iterations as a measured run did:
     faster steps each carry fewer tokens, so a run's iteration count tells how fast the machine was
-    while it ran against the measured step costs (on a shared machine the two drift apart). By
-    bisection on log(scale), between 1/2 and 2."""
+    while it ran against the measured step costs (on a shared machine the two drift apart). A
+    gauge, not a measure: decode steps priced dear against prompt steps also batch more decodes and
+    cut the count. By bisection on log(scale), between 1/2 and 2."""
     low, high = 0.5, 2.0
     while high / low > 1.01:
         middle = math.sqrt(low * high)
