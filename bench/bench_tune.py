@@ -14,8 +14,8 @@
    estimate up and down by --step, then bisecting --bisections times between the highest rate met
    and the lowest missed above it.
 
-Saves bench/results/tune_new.json (or --out): the tune run's time and report, each probe, both
-capacities and their ratio.
+Saves bench/results/tune_new.json (or --out): the tune run's time and report (with each request of
+its verifying run, simulated and measured side by side), each probe, both capacities and their ratio.
 """
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = {"machine": machine.describe(), "model": args.model, "target": {"ttft_p99_s": target.ttft_p99_s,
                                                                          "tpot_p99_s": target.tpot_p99_s},
            "tune_s": tune_s, "tune_predicted": report["predicted"], "tune_measured": report["measured"],
+           "tune_per_request": report.get("per_request"),
            "tune_settings": report["settings"], "heldout": describe(list(heldout.lengths)),
            "capacity": results, "capacity_ratio": ratio}
     args.out.write_text(json.dumps(out, indent=1) + "\n")

@@ -38,6 +38,12 @@ class Measured:
     tpot_s: float = math.nan  # nan for a request of one token
     output_tokens: int = 0
     error: str = ""
+    # On time.perf_counter()'s clock (CLOCK_MONOTONIC on Linux, as the server's time.monotonic()):
+    # when the request was due, when its POST went out, its first and last token chunks.
+    scheduled_at: float = math.nan
+    sent_at: float = math.nan
+    first_at: float = math.nan
+    last_at: float = math.nan
 
 
 def free_port() -> int:
@@ -47,16 +53,19 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(config: Path, log: Path, ready_timeout_s: float = 900.0) -> Iterator[str]:
+def running_server(config: Path, log: Path, ready_timeout_s: float = 900.0,
+                   launcher: tuple[str, ...] = (sys.executable, "-m", "orca_jax.cli"),
+                   env: dict[str, str] | None = None) -> Iterator[str]:
     """A server process serving `config` until the block ends (then SIGTERM); yields its URL once it
     is ready. Its output goes to `log`; a server that exits or never gets ready raises RuntimeError
-    naming the log."""
+    naming the log. `launcher`, `env`: another entry point taking the CLI's arguments and variables
+    added to the environment (bench/trace_server.py's traced server)."""
     port = free_port()
-    command = [sys.executable, "-m", "orca_jax.cli", "serve", "--config", str(config), "--port", str(port),
+    command = [*launcher, "serve", "--config", str(config), "--port", str(port),
                "--served-model-name", SERVED_NAME, "--max-queued-requests", "1000000"]
     with open(log, "w") as out:  # the child keeps its own copy of the handle
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
         asyncio.run(wait_ready(url, process, ready_timeout_s, log))
@@ -95,6 +104,7 @@ async def _one(session: aiohttp.ClientSession, url: str, prompt_token_ids: list[
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     first = last = None
     tokens = 0
+    sent = time.perf_counter()
     try:
         async with session.post(url + "/v1/completions", json=body) as response:
             if response.status != 200:
@@ -116,7 +126,8 @@ async def _one(session: aiohttp.ClientSession, url: str, prompt_token_ids: list[
     if first is None:
         return Measured(False, error="the stream carried no token")
     tpot = (last - first) / (tokens - 1) if tokens > 1 else math.nan
-    return Measured(True, first - scheduled, tpot, tokens)
+    return Measured(True, first - scheduled, tpot, tokens, scheduled_at=scheduled, sent_at=sent, first_at=first,
+                    last_at=last)
 
 
 async def _replay(url: str, requests: list[tuple[list[int], int]], arrivals: list[float],

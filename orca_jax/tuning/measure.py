@@ -3,7 +3,8 @@ engine's own work per step. The only module of tuning/ that runs jax (through th
 
 The grid (`grid`): decode steps of every sequence bucket at a short and a long context; prompt
 steps of every token bucket from 2 up, as one prompt, and up to 256 tokens also as a chunk after a
-cached prefix and mixed (decodes beside one prompt chunk, as the chunked policy runs them). Each
+cached prefix and mixed (decodes beside one prompt chunk, as the chunked policy runs them; for the
+two largest of those buckets, with the decodes at a short and a long context). Each
 step is timed warm (its programs ran before) in rounds taken round-robin over the grid, so a burst
 of other work on a shared machine spoils one round rather than one shape; a shape's time is the
 median of its rounds. The engine's own work (`host_seconds`) is timed apart, on a burst of requests
@@ -68,8 +69,10 @@ def plan_chunks(plan: StepPlan) -> tuple[tuple[int, int], ...]:
 def grid(token_buckets, seq_buckets, max_model_len: int) -> list[tuple[tuple[int, int], ...]]:
     """The measured shapes, as chunk tuples (module docstring). Steps of the chunked policy under
     load are mixed: a prompt chunk beside many decodes, so those are timed at every sequence bucket
-    for two token buckets; above 256 tokens a step is all matmul and a prompt alone: the
-    long-context and mixed shapes are taken below that, where they are cheap to time."""
+    for two token buckets, with the decodes at a short and at a long context (a decode row's
+    attention costs per position what a prompt token's does not: cost_model.py); above 256 tokens
+    a step is all matmul and a prompt alone: the long-context and mixed shapes are taken below
+    that, where they are cheap to time."""
     short, long = min(64, max_model_len // 8), min(512, max_model_len // 2)
     shapes = [((context, 1),) * s for s in seq_buckets for context in (short, long)]
     mixed_seqs = seq_buckets[len(seq_buckets) // 2]  # a middle sequence bucket
@@ -86,6 +89,8 @@ def grid(token_buckets, seq_buckets, max_model_len: int) -> list[tuple[tuple[int
             decodes = min(s, t) - 1
             if decodes > 0:
                 shapes.append(((short, 1),) * decodes + ((0, t - decodes),))
+                if t in swept and long + 1 <= max_model_len:  # the decodes' context, told from the chunk's
+                    shapes.append(((long, 1),) * decodes + ((0, t - decodes),))
     return list(dict.fromkeys(shapes))
 
 

@@ -53,6 +53,30 @@ def side_by_side(predicted: dict, measured: dict | None, target: Target) -> str:
     return "\n".join(lines)
 
 
+def per_request(simulated, measured: list | None) -> list[dict]:
+    """Each request of the verifying run, simulated and measured side by side (same arrival, same
+    lengths), so that a bias in the p99s can be traced to the requests that carry it: the simulated
+    queue it joined, wait (arrival to the step that first schedules it), TTFT and TPOT, and the
+    measured TTFT and TPOT with the load generator's own lag (the request's due time to its POST).
+    `simulated`: the simulation's SimResult at the run's rate; `measured`: loadgen's Measured of
+    each request. (bench/ttft_breakdown.py splits the measured TTFT further, from a traced server.)"""
+    rows = []
+    requests = simulated.requests
+    for i, r in enumerate(requests):
+        # The queue it joined: requests that arrived before it and were not yet scheduled.
+        queue = sum(1 for q in requests[:i] if q.scheduled_s > r.arrival_s)
+        row = {"prompt_len": r.prompt_len, "max_tokens": r.max_tokens, "arrival_s": r.arrival_s,
+               "sim_queue_at_arrival": queue,
+               "sim_wait_s": r.scheduled_s - r.arrival_s, "sim_ttft_s": r.first_token_s - r.arrival_s,
+               "sim_tpot_s": (r.finish_s - r.first_token_s) / (r.max_tokens - 1) if r.max_tokens > 1 else None}
+        m = measured[i] if measured else None
+        if m is not None and m.ok:
+            row.update(ttft_s=m.ttft_s, tpot_s=None if m.output_tokens < 2 else m.tpot_s,
+                       output_tokens=m.output_tokens, send_lag_s=m.sent_at - m.scheduled_at)
+        rows.append(row)
+    return rows
+
+
 def plot(outcomes: list[Outcome], target: Target, path: Path) -> str:
     """Capacity (or, at a fixed rate, the p99 score) against max_num_seqs, one panel per policy and a
     line per token budget, at the best KV budget of each. Returns what was done, for the log."""

@@ -14,8 +14,14 @@ it to the real engine's `num_steps`, step by step. Its scope:
 - ties between preemption victims with equal computed tokens go to the latest arrival, as in the
   engine when requests are added one after another.
 
-- the engine is modelled stepping one iteration at a time (no step planned ahead): with async
-  scheduling, pages and slots a finishing request frees are seen a step later.
+- `async_scheduling` (the engine's default, with one stage): the engine plans step n + 1 while step
+  n is in flight, from what it knew before step n's tokens came back (scheduler.py, "Async
+  scheduling"): requests in step n that sample decode again at once, one position on; pages and
+  slots a request finishing in step n frees, and requests that arrived during step n - 1, are seen a
+  step later; a request whose prompt chunk in flight samples nothing holds the plan back until the
+  step is in. A new request's first chunk thus comes a step later: near capacity, on a virtual
+  clock with the tuning workload, the TTFT p99 changed by 1-12% (mostly longer). Without it the
+  engine steps one iteration at a time.
 
 Combined with a measured step-time model (seconds per step as a function of its padded shape), the
 simulated steps give a predicted wall time per policy, hence the throughput ratio the benchmark
@@ -44,6 +50,7 @@ class SimConfig:
     max_num_batched_tokens: int
     page_size: int
     num_pages: int
+    async_scheduling: bool = False  # the engine plans each step while the one before computes
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -54,6 +61,7 @@ class SimConfig:
 class SimStep:
     chunks: tuple[tuple[int, int], ...]  # (start, num_new) of each scheduled sequence, in the plan's order
     num_padding_seqs: int = 0  # static: finished members still occupying a batch row
+    end_s: float = 0.0  # simulate_arrivals: the clock when the step's tokens are out
 
     @property
     def num_tokens(self) -> int:
@@ -110,7 +118,9 @@ class _Req:
     preemptions: int = 0
     running: bool = False
     finished: bool = False
+    in_flight: tuple | None = None  # its entry in the newest step in flight: (step, start, num_new, samples)
     arrival_s: float = 0.0
+    scheduled_s: float | None = None  # when the step that first scheduled it began
     first_token_s: float = 0.0  # when its first token was released
     finish_s: float = 0.0  # when its last token was released
 
@@ -137,7 +147,9 @@ class _Simulator:
         self.num_preemptions = 0
         self.kv_bound = False  # whether a page request was ever refused (more pages would change the run)
         self.steps: list[SimStep] = []
-        self.clock = 0.0
+        self.clock = 0.0  # the host's: when the engine plans, adds arrivals and releases tokens
+        self.pending: list[tuple[int, list]] = []  # steps in flight: (index, plan), oldest first
+        self.device_free = 0.0  # when the step last dispatched ends
 
     # ---- KV pages (counts only) -------------------------------------------------------------
     def allocate(self, r: _Req, num_tokens: int) -> bool:
@@ -153,11 +165,13 @@ class _Simulator:
         self.free_pages += r.pages
         r.pages = 0
 
-    # ---- one iteration: a plan of (request, num_new_tokens) -----------------------------------
-    def schedule(self) -> tuple[list[tuple[_Req, int]], int]:
+    # ---- one iteration: a plan of (request, start, num_new): num_new tokens after `start` ones ---
+    def schedule(self) -> tuple[list[tuple[_Req, int, int]], int]:
         if self.config.policy == "static":
             return self.schedule_static()
-        plan: list[tuple[_Req, int]] = []
+        plan: list[tuple[_Req, int, int]] = []
+        if any(r.in_flight and not r.in_flight[3] for r in self.running):
+            return plan, 0  # a prompt chunk in flight samples nothing: wait for it
         budget = self.config.max_num_batched_tokens
         running = list(self.running)
         if self.config.policy == "chunked":  # decodes first, then unfinished prefill chunks
@@ -166,12 +180,18 @@ class _Simulator:
         for r in running:
             if not r.running or budget == 0:
                 continue
+            if r.in_flight:  # planned ahead: its next decode, unless its step in flight ends it
+                start = r.in_flight[1] + r.in_flight[2]
+                if r.generated + 1 < r.max_tokens and self.allocate(r, start + 1):
+                    budget -= 1
+                    plan.append((r, start, 1))
+                continue
             num_new = min(r.uncomputed, budget)
             scheduled = True
             while not self.allocate(r, r.computed + num_new):
                 assert self.config.policy != "orca", "orca reserves every page at admission"
-                victim = min(self.running, key=lambda v: (v.computed, -v.index))
-                plan = [(q, n) for q, n in plan if q is not victim]  # its budget share stays spent
+                victim = min((v for v in self.running if not v.in_flight), key=lambda v: (v.computed, -v.index))
+                plan = [e for e in plan if e[0] is not victim]  # its budget share stays spent
                 self.preempt(victim)
                 preempted = True
                 if victim is r:
@@ -179,7 +199,7 @@ class _Simulator:
                     break
             if scheduled:
                 budget -= num_new
-                plan.append((r, num_new))
+                plan.append((r, r.computed, num_new))
         if not preempted:
             self.admit(plan, budget)
         return plan, 0
@@ -195,7 +215,7 @@ class _Simulator:
         position = sum(1 for w in self.waiting if w.preemptions > 0 and w.index < victim.index)
         self.waiting.insert(position, victim)
 
-    def admit(self, plan: list[tuple[_Req, int]], budget: int) -> None:
+    def admit(self, plan: list[tuple[_Req, int, int]], budget: int) -> None:
         policy = self.config.policy
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             r = self.waiting[0]
@@ -208,9 +228,11 @@ class _Simulator:
             r.running = True
             self.running.append(r)
             budget -= num_new
-            plan.append((r, num_new))
+            plan.append((r, r.computed, num_new))
 
-    def schedule_static(self) -> tuple[list[tuple[_Req, int]], int]:
+    def schedule_static(self) -> tuple[list[tuple[_Req, int, int]], int]:
+        if any(r.in_flight for r in self.running):
+            return [], 0  # the batch steps as one: wait for its step in flight
         if not self.running:  # admit a batch, reserving prompt + max_tokens for each member
             while self.waiting and len(self.running) < self.config.max_num_seqs:
                 r = self.waiting[0]
@@ -226,37 +248,59 @@ class _Simulator:
                 if r.uncomputed > budget:
                     break
                 budget -= r.uncomputed
-                plan.append((r, r.uncomputed))
+                plan.append((r, r.computed, r.uncomputed))
             return plan, 0
-        plan = [(r, r.uncomputed) for r in self.running if not r.finished]
+        plan = [(r, r.computed, r.uncomputed) for r in self.running if not r.finished]
         return plan, len(self.running) - len(plan)
 
     # ---- after the step ----------------------------------------------------------------------
     def run(self, step_seconds: Callable[[SimStep], float] | None = None) -> SimResult:
-        while self.arriving or self.waiting or self.running:
+        """The engine's loop (engine.py, `_step`): plan and dispatch while there is room in flight
+        (one step, or two planning ahead), else collect the oldest step."""
+        depth = 2 if self.config.async_scheduling else 1
+        while self.arriving or self.waiting or self.running or self.pending:
             while self.arriving and self.arriving[-1].arrival_s <= self.clock:
                 self.waiting.append(self.arriving.pop())  # arrival order is index order
-            if not self.waiting and not self.running:
+            if not (self.waiting or self.running or self.pending):
                 self.clock = self.arriving[-1].arrival_s  # idle until the next arrival
                 continue
-            plan, padding = self.schedule()
-            if not plan:
-                continue  # a step that only preempted: the engine runs nothing and counts nothing
-            step = SimStep(tuple((r.computed, n) for r, n in plan), padding)
-            self.steps.append(step)
-            if step_seconds is not None:
-                self.clock += step_seconds(step)
-            for r, num_new in plan:
-                samples = r.computed + num_new == r.num_tokens
-                r.computed += num_new
-                if samples:
-                    r.generated += 1
-                    if r.generated == 1:
-                        r.first_token_s = self.clock
-                    if r.generated == r.max_tokens:
-                        self.finish(r)
+            plan = []
+            if len(self.pending) < depth:
+                plan, padding = self.schedule()  # empty: nothing to run, or it only preempted
+                if plan:
+                    self.dispatch(plan, padding, step_seconds)
+            if self.pending and not (plan and len(self.pending) < depth):
+                self.collect(*self.pending.pop(0))
             assert len(self.steps) < 1_000_000, "the simulation does not terminate"
         return SimResult(self.config, self.steps, self.num_preemptions, self.requests, self.kv_bound)
+
+    def dispatch(self, plan: list[tuple[_Req, int, int]], padding: int, step_seconds) -> None:
+        """The step runs once the device is free (after the step in flight) and the host is here."""
+        step = SimStep(tuple((start, n) for _, start, n in plan), padding)
+        began = max(self.clock, self.device_free)
+        self.device_free = step.end_s = began + (step_seconds(step) if step_seconds is not None else 0.0)
+        index = len(self.steps)
+        self.steps.append(step)
+        for r, start, n in plan:
+            r.scheduled_s = began if r.scheduled_s is None else r.scheduled_s
+            # It samples if it ends at its last token (a step planned ahead always does).
+            r.in_flight = (index, start, n, r.in_flight is not None or start + n == r.num_tokens)
+        self.pending.append((index, plan))
+
+    def collect(self, index: int, plan: list[tuple[_Req, int, int]]) -> None:
+        """The step's tokens are in: the host's clock is at its end, and its requests advance."""
+        self.clock = max(self.clock, self.steps[index].end_s)
+        for r, start, num_new in plan:
+            if r.in_flight and r.in_flight[0] == index:
+                r.in_flight = None  # no newer step holds it
+            samples = start + num_new == r.num_tokens  # the steps before it are in: its tokens are known
+            r.computed = start + num_new
+            if samples:
+                r.generated += 1
+                if r.generated == 1:
+                    r.first_token_s = self.clock
+                if r.generated == r.max_tokens:
+                    self.finish(r)
 
     def finish(self, r: _Req) -> None:
         r.finished = True

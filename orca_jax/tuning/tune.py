@@ -38,8 +38,8 @@ from pathlib import Path
 from orca_jax.config import DEFAULT_MODEL, DTYPE_CHOICES, QUANTIZATION_CHOICES, SCHEDULING_POLICIES
 from orca_jax.sizes import byte_size, format_bytes
 from orca_jax.tuning.cost_model import CostModel
-from orca_jax.tuning.report import grouped, outcome_json, plot, side_by_side, summary, table
-from orca_jax.tuning.search import Space, Target, p99, search
+from orca_jax.tuning.report import grouped, outcome_json, per_request, plot, side_by_side, summary, table
+from orca_jax.tuning.search import Space, Target, p99, search, sensitivity, simulate_at, speed_of_run
 from orca_jax.tuning.workload import (LENGTH_DISTRIBUTIONS, Workload, WorkloadSpec, describe, load_jsonl,
                                       workload_of_requests, workload_of_spec)
 
@@ -227,8 +227,9 @@ def prompts_for(workload: Workload, measurement: dict, seed: int) -> list[list[i
     return [[rng.choice(allowed) for _ in range(p)] for p, _ in workload.lengths]
 
 
-def verify(toml: Path, workload: Workload, prompts: list[list[int]], rate: float, log: Path) -> dict:
-    """The settings served for real at `rate`: p99s measured from the streamed responses."""
+def verify(toml: Path, workload: Workload, prompts: list[list[int]], rate: float, log: Path) -> tuple[list, dict]:
+    """The settings served for real at `rate`: each request's measurement (loadgen.Measured) and the
+    p99s measured from the streamed responses."""
     from tqdm.auto import tqdm
 
     from orca_jax.tuning.loadgen import engine_counters, replay, running_server
@@ -245,7 +246,7 @@ def verify(toml: Path, workload: Workload, prompts: list[list[int]], rate: float
         bar.close()
     ok = [r for r in results if r.ok]
     errors = sorted({r.error for r in results if not r.ok})[:5]
-    return {"rate_rps": rate, "ttft_p99_s": p99([r.ttft_s for r in ok]),
+    return results, {"rate_rps": rate, "ttft_p99_s": p99([r.ttft_s for r in ok]),
             "tpot_p99_s": p99([r.tpot_s for r in ok if not math.isnan(r.tpot_s)]),
             "requests": len(results), "ok": len(ok), "errors": errors, "wall_s": wall,
             "throughput_rps": len(ok) / wall, "server_ready_s": ready,
@@ -304,15 +305,26 @@ def run(args: argparse.Namespace) -> dict:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(settings_toml(args, settings, header))
     print(f"settings: {settings.label} -> {args.out}", file=sys.stderr)
-    measured = None
+    measured = results = None
     if not args.no_verify:
         log = (args.report or args.out).with_suffix(".server.log")
-        measured = verify(args.out, workload, prompts_for(workload, measurement, args.seed), rate, log)
+        results, measured = verify(args.out, workload, prompts_for(workload, measurement, args.seed), rate, log)
         measured["meets_target"] = (measured["ok"] == measured["requests"] and measured["ttft_p99_s"] <= target.ttft_p99_s
                                     and measured["tpot_p99_s"] <= target.tpot_p99_s)
         if measured["errors"]:
             print(f"failed requests in the real run: {measured['errors']}", file=sys.stderr)
+    predicted["step_cost_sensitivity"] = sensitivity(settings, workload, rate, model)
+    low, high = predicted["step_cost_sensitivity"].values()
     print(side_by_side(predicted, measured, target))
+    print(f"with every step 5% cheaper / dearer: TTFT p99 {low['ttft_p99_s']:.3f} / {high['ttft_p99_s']:.3f} s, "
+          f"TPOT p99 {low['tpot_p99_s']:.3f} / {high['tpot_p99_s']:.3f} s")
+    if measured and measured.get("steps"):
+        scale = speed_of_run(settings, workload, rate, model, int(measured["steps"]))
+        at = simulate_at(settings, workload, rate, model, scale)
+        predicted["at_run_speed"] = {"step_scale": scale, "ttft_p99_s": p99(at.ttft_s()), "tpot_p99_s": p99(at.tpot_s())}
+        print(f"the run's {measured['steps']:.0f} iterations match steps {scale:.2f}x their measured cost; at that speed "
+              f"the simulation predicts TTFT p99 {predicted['at_run_speed']['ttft_p99_s']:.3f} s, TPOT p99 "
+              f"{predicted['at_run_speed']['tpot_p99_s']:.3f} s")
     plot_path = args.plot or (args.report.with_suffix(".png") if args.report else Path("tune.png"))
     print(plot(outcomes, target, plot_path), file=sys.stderr)
     report = {
@@ -321,6 +333,7 @@ def run(args: argparse.Namespace) -> dict:
                      "kv_cache_memory": settings.kv_cache_memory, "num_kv_pages": settings.num_pages,
                      "page_size": settings.page_size},
         "predicted": predicted, "measured": measured,
+        "per_request": per_request(simulate_at(settings, workload, rate, model), results),
         "target": {"ttft_p99_s": target.ttft_p99_s, "tpot_p99_s": target.tpot_p99_s, "arrival_rate_rps": target.rate},
         "workload": {"description": describe(list(workload.lengths)), "file": str(args.workload or ""),
                      "lengths": workload.lengths, "unit_arrivals": workload.unit_arrivals},

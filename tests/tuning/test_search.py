@@ -115,3 +115,35 @@ def test_a_request_longer_than_the_kv_cache_or_a_prompt_over_the_budget_is_refus
         reasons["orca seqs=4 tokens=64"]
     assert [o.settings.label for o in outcomes] == ["chunked seqs=4 tokens=64 kv=1MiB"]
     assert winner is outcomes[0] and math.isfinite(winner.capacity)
+
+
+def test_at_the_capacity_the_ttft_tail_moves_more_than_the_step_cost():
+    """The verifying run is at the capacity, where queueing starts: 5% dearer steps lengthen the
+    simulated TTFT p99 by more than 5%, and 5% cheaper ones shorten it; the report gives both."""
+    from orca_jax.tuning.search import Settings, sensitivity
+
+    workload = workload_of_spec(WorkloadSpec(num_requests=100, prompt_dist="equal", prompt_len=(1, 1),
+                                             output_dist="equal", output_len=(32, 32), arrival="poisson", seed=1))
+    model = decode_only(0.02, 0.01)
+    target = Target(ttft_p99_s=4.0, tpot_p99_s=0.065)
+    space = Space(policies=("orca",), max_num_seqs=(4,), max_num_batched_tokens=(16,), kv_cache_memory=(1 << 20,))
+    winner, _, _ = search(space, workload, model, target, ample_pages, page_size=16)
+    around = sensitivity(winner.settings, workload, winner.capacity, model, error=0.05)
+    at = winner.point
+    assert around["0.95"]["ttft_p99_s"] < at.ttft_p99_s < around["1.05"]["ttft_p99_s"]
+    assert around["1.05"]["ttft_p99_s"] > 1.05 * at.ttft_p99_s
+    assert around["0.95"]["tpot_p99_s"] < at.tpot_p99_s < around["1.05"]["tpot_p99_s"]
+
+
+def test_a_runs_iteration_count_tells_its_speed():
+    """Steps dearer than measured batch more tokens each, so fewer of them: the simulation at the
+    scale speed_of_run finds runs as many iterations as a run whose steps all cost 1.15x."""
+    from orca_jax.tuning.search import Settings, simulate_at, speed_of_run
+
+    workload = workload_of_spec(WorkloadSpec(num_requests=100, prompt_dist="uniform", prompt_len=(8, 64),
+                                             output_dist="uniform", output_len=(8, 64), arrival="poisson", seed=1))
+    model = decode_only(0.02, 0.01)
+    settings = Settings("chunked", 8, 64, 1 << 20, ample_pages(1 << 20), 16)
+    slower = simulate_at(settings, workload, 2.0, model, step_scale=1.15)
+    assert simulate_at(settings, workload, 2.0, model).num_steps > slower.num_steps + 100  # the premise
+    assert speed_of_run(settings, workload, 2.0, model, slower.num_steps) == pytest.approx(1.15, rel=0.02)

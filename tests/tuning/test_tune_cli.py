@@ -9,6 +9,7 @@ import pytest
 
 from orca_jax.cli import main
 from orca_jax.config import REPO_ROOT, EngineConfig, load_toml
+from orca_jax.tuning.search import p99
 
 TINY = REPO_ROOT / "checkpoints" / "tiny"
 SMALL = ["--model", str(TINY), "--slo-ttft-p99", "0.5", "--slo-tpot-p99", "0.1",
@@ -36,6 +37,13 @@ def test_tune_on_the_tiny_model_writes_a_toml_the_server_starts_with(tmp_path):
     for side in (predicted, measured):
         assert side["ttft_p99_s"] > 0 and side["tpot_p99_s"] > 0 and side["rate_rps"] > 0
     assert measured["rate_rps"] == predicted["rate_rps"]
+    # Each request's TTFT and TPOT, simulated and measured side by side, make up the p99s above.
+    rows = data["per_request"]
+    assert len(rows) == 40 and all(r["ttft_s"] > 0 and r["sim_ttft_s"] > 0 and r["send_lag_s"] >= 0 for r in rows)
+    assert [r["output_tokens"] for r in rows] == [r["max_tokens"] for r in rows]  # the same request on each row
+    assert p99([r["ttft_s"] for r in rows]) == pytest.approx(measured["ttft_p99_s"])
+    assert p99([r["sim_ttft_s"] for r in rows]) == pytest.approx(predicted["ttft_p99_s"])
+    assert p99([r["sim_tpot_s"] for r in rows]) == pytest.approx(predicted["tpot_p99_s"])
     # The memory plan refused the KV budget too small for one 128-token sequence; it was never tried.
     assert any(r["settings"] == "kv=0.03125MiB" and "memory plan" in r["reason"] for r in data["refused"])
     assert not any("kv=0.03125MiB" in c["settings"] for c in data["candidates"])
