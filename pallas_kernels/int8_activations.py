@@ -24,33 +24,22 @@ form them (AVX-512 VNNI's vpdpbusd, AVX-VNNI's, vpmaddubsw + vpmaddwd on AVX-512
 on the baseline), so every variant gives these bits, and a row's result depends on its own values
 only: batch-invariant.
 
-`xla_activations` is the same quantization in jnp: XLA's path (GPU, and CPU calls over the native
+quantized_matmul.xla_activations is the same quantization in jnp: XLA's path (GPU, and CPU calls over the native
 kernel's row cap) multiplies the dequantized activations d * q by the dequantized weights, which
 agrees with the native kernel to f32 rounding.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-ACTIVATIONS = ("float32", "int8")  # how the quantized matmul takes x: as it is, or quantized as above
+from pallas_kernels.quantized_matmul import BLOCK_BYTES, _k_scales_mins, check_activations, check_weights, fma_f32
+
 BLOCK = 32
 LANES = 16
 # q_w's offset per format (w = s * (q_w - offset) + m).
 OFFSETS = {"q4_0": 8, "q5_0": 16, "q6_k": 32}
 WITH_MINIMUM = ("q4_1", "q5_1", "q4_k", "q5_k")
-INT8_FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")  # all but f32
-
-
-def check_activations(activations: str, format: str) -> None:
-    """Raises ValueError naming the fix for an unknown mode, or int8 activations with float32 rows."""
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"quantized matmul: activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
-    if activations == "int8" and format not in INT8_FORMATS:
-        raise ValueError(f"quantized matmul: int8 activations need quantized weights ({', '.join(INT8_FORMATS)}); "
-                         f"{format!r} rows take activations='float32'")
 
 
 def quantize_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -60,15 +49,6 @@ def quantize_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
     q = np.clip(np.rint(blocks * inv[..., None]), -127, 127).astype(np.int8)
     return q, d
-
-
-def xla_activations(x: jax.Array) -> jax.Array:
-    """x [T, in] -> f32 d * q [T, in]: the rule above in jnp (XLA's path multiplies these)."""
-    blocks = x.astype(jnp.float32).reshape(x.shape[0], -1, BLOCK)
-    d = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True) / jnp.float32(127)
-    inv = jnp.where(d > 0, jnp.float32(1) / jnp.where(d > 0, d, 1), 0)
-    q = jnp.clip(jnp.round(blocks * inv), -127, 127)  # jnp.round: half to even
-    return (q * d).reshape(x.shape)
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
@@ -83,8 +63,6 @@ def _half(bytes_: np.ndarray) -> np.ndarray:
 def block_integers(format: str, weights: np.ndarray):
     """A matrix's blocks as (q_w int32 [out, B, 32], s f32 [out, B, 2] (weights 0-15, 16-31),
     m f32 [out, B]), B = in / 32, as the rule above splits them (int8: s = 1, the row scale apart)."""
-    from pallas_kernels.quantized_matmul import BLOCK_BYTES, _k_scales_mins
-
     out = weights.shape[0]
     if format == "int8":
         q = weights.view(np.int8).reshape(out, -1, BLOCK).astype(np.int32)
@@ -148,8 +126,6 @@ def _per_lane(values: np.ndarray) -> np.ndarray:
 def matmul_reference(x: np.ndarray, format: str, weights: np.ndarray, scales: np.ndarray | None = None,
                      num_rows: int | None = None) -> np.ndarray:
     """out [T, out]: the native int8-activation kernel's arithmetic replayed (the rule above)."""
-    from pallas_kernels.quantized_matmul import check_weights, fma_f32
-
     x = np.asarray(x, np.float32)
     weights = np.asarray(weights)
     check_weights(format, weights.shape, x.shape[1], None if scales is None else np.shape(scales))

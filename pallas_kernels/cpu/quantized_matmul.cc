@@ -48,7 +48,8 @@
 namespace ffi = xla::ffi;
 
 // The instruction-set variant every native kernel runs (defined beside the attention kernel):
-// 0 AVX-512, 1 AVX2, 2 baseline, as in pallas_kernels/native.py's ISAS.
+// 0 AVX-512 VNNI, 1 AVX-512, 2 AVX-VNNI, 3 AVX2, 4 baseline, as in pallas_kernels/native.py's ISAS.
+// The float kernels' arithmetic gains nothing from VNNI: they run their AVX-512 or AVX2 code there.
 extern "C" int OrcaNativeIsa();
 
 namespace {
@@ -67,13 +68,13 @@ constexpr int64_t kScaleChunk = 32;
 
 using ItemFn = void (*)(const Problem&, int64_t, int64_t);
 
-// The variant the native library runs (numbered as OrcaNativeIsa: 0 AVX-512, 1 AVX2, 2 baseline).
+// The variant the native library runs (numbered as OrcaNativeIsa).
 template <Format F>
 ItemFn pick_isa() {
 #if defined(__x86_64__)
   const int isa = OrcaNativeIsa();
-  if (isa == 0) return avx512::item<F>;
-  if (isa == 1) return avx2::item<F>;
+  if (isa <= 1) return avx512::item<F>;
+  if (isa <= 3) return avx2::item<F>;
 #endif
   return base::item<F>;
 }
@@ -95,7 +96,7 @@ ItemFn pick(Format f) {
 
 ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                            ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> num_rows,
-                           ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t format) {
+                           ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t format, int32_t int8_activations) {
   // Shapes are validated in Python (the wrapper names the argument); these checks keep a direct
   // caller from reading out of bounds.
   if (format < 0 || format >= kNumFormats) return ffi::Error::InvalidArgument("quantized_matmul_native: unknown format");
@@ -128,6 +129,11 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   std::fill(p.out + rows * p.out_features, p.out + p.tokens * p.out_features, 0.0f);
   p.tokens = rows;
   if (p.tokens == 0 || p.out_features == 0) return ffi::Error::Success();
+  if (int8_activations) {
+    if (f32) return ffi::Error::InvalidArgument("quantized_matmul_native: int8 activations need quantized weights, not f32 rows");
+    int8_activations_matmul(pool, p, f, OrcaNativeIsa());
+    return ffi::Error::Success();
+  }
   const ItemFn run = pick(f);
   const int64_t items = (p.out_features + kRowsPerItem - 1) / kRowsPerItem;
   orca_native::parallel_for(pool, items, [&](int64_t i) {
@@ -148,4 +154,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OrcaQuantizedMatmul, QuantizedMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [out] (int8) or [0]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_rows []: rows of x to compute
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, out]
-                                  .Attr<int32_t>("format"));
+                                  .Attr<int32_t>("format")
+                                  .Attr<int32_t>("int8_activations"));  // 1: x quantized (quantized_matmul_int8.cc)

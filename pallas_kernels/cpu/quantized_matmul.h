@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "xla/ffi/api/ffi.h"
+
 namespace orca_qmm {
 
 constexpr int kLanes = 16;
@@ -117,4 +119,11 @@ __attribute__((always_inline)) inline void k_header(const uint8_t* sb, float* ou
   std::memcpy(out, &v, sizeof v);
 }
 
+}  // namespace orca_qmm
+
+
+namespace orca_qmm {
+// The matmul with int8 activations (quantized_matmul_int8.cc) of p (format f, not kF32), with the
+// instruction-set variant `isa` (numbered as pallas_kernels/native.py's ISAS).
+void int8_activations_matmul(xla::ffi::ThreadPool& pool, const Problem& p, Format f, int isa);
 }  // namespace orca_qmm

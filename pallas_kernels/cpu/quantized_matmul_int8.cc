@@ -1,0 +1,167 @@
+// The quantized matmul with int8 activations (llama.cpp's method), called by quantized_matmul.cc's
+// handler when its `int8_activations` attribute is set: x's rows are quantized to 8 bits per
+// 32-value block, then multiplied by the weights' integers with integer dot products and scaled in
+// f32. pallas_kernels/int8_activations.py states the arithmetic and replays it in numpy; this code
+// must equal it bit for bit, in every variant: the integer lanes are exact, and the float operations
+// (each written out, nothing fused but the fused multiply-adds written) are the same in every variant.
+
+#pragma GCC optimize("fp-contract=off")
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "parallel_for.h"
+#include "quantized_matmul.h"
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace orca_qmm {
+namespace {
+
+constexpr int kRowsPerItem = 32;  // work item: output rows one thread takes at a time
+
+// x quantized, per token and pair of blocks (blocks 2p and 2p + 1), in lane order: lane 8h + 4e + k
+// covers weights 16h + 4k .. + 3 of block 2p + e. An odd count's last pair has a zero second block.
+struct Activations {
+  int64_t pairs = 0;
+  std::vector<int8_t> q;      // [T, pairs, 64]: byte 4 lane + i = q_x of the lane's weight i
+  std::vector<int32_t> init;  // [T, pairs, 16]: -offset * (sum of the lane's 4 q_x), where lanes start
+  std::vector<float> d;       // [T, pairs, 16]: the lane's block's d_x
+  std::vector<float> sums;    // [T, pairs, 16]: f32(float(sum of the lane's 4 q_x) * d_x), for minimums
+};
+
+// Round to the nearest integer, half to even, for |v| < 2^22: adding 1.5 * 2^23 leaves no fraction
+// bits, so the add rounds (in the default rounding mode) and the subtraction is exact. numpy's rint
+// gives the same; libm's rintf would be a call per value on the baseline.
+inline float round_half_even(float v) {
+  const float magic = 12582912.0f;
+  return (v + magic) - magic;
+}
+
+int32_t q_offset(Format f) {
+  return f == Format::kQ4_0 ? 8 : f == Format::kQ5_0 ? 16 : f == Format::kQ6_K ? 32 : 0;
+}
+
+// Token t's row, quantized: per 32-value block, d = max |x| / 127, q = round-half-even(x * (1 / d)).
+void quantize_row(const Problem& p, int64_t t, int32_t offset, Activations& a) {
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    const float* x = p.x + t * p.in + b * kBlock;
+    float peak = 0.0f;
+    for (int i = 0; i < kBlock; ++i) peak = std::max(peak, std::fabs(x[i]));
+    const float d = peak / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
+    const int64_t pair = t * a.pairs + b / 2;
+    const int e = static_cast<int>(b % 2);
+    for (int i = 0; i < kBlock; ++i) {
+      const int lane = 8 * (i / 16) + 4 * e + i % 16 / 4;
+      const float q = std::clamp(round_half_even(x[i] * inverse), -127.0f, 127.0f);
+      a.q[64 * pair + 4 * lane + i % 4] = static_cast<int8_t>(q);
+    }
+    for (int lane : {4 * e, 4 * e + 1, 4 * e + 2, 4 * e + 3, 8 + 4 * e, 9 + 4 * e, 10 + 4 * e, 11 + 4 * e}) {
+      int32_t sum = 0;
+      for (int i = 0; i < 4; ++i) sum += a.q[64 * pair + 4 * lane + i];
+      a.init[kLanes * pair + lane] = -offset * sum;
+      a.d[kLanes * pair + lane] = d;
+      a.sums[kLanes * pair + lane] = static_cast<float>(sum) * d;
+    }
+  }
+}
+
+}  // namespace
+
+// The kernel, once per instruction set, numbered as pallas_kernels/native.py's ISAS.
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c,prefer-vector-width=512")
+namespace avx512vnni {
+#define ORCA_Q8_ISA 0
+#include "quantized_matmul_int8_kernel.inc"
+#undef ORCA_Q8_ISA
+}  // namespace avx512vnni
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c,prefer-vector-width=512")
+namespace avx512 {
+#define ORCA_Q8_ISA 1
+#include "quantized_matmul_int8_kernel.inc"
+#undef ORCA_Q8_ISA
+}  // namespace avx512
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avxvnni,avx2,fma,f16c")
+namespace avxvnni {
+#define ORCA_Q8_ISA 2
+#include "quantized_matmul_int8_kernel.inc"
+#undef ORCA_Q8_ISA
+}  // namespace avxvnni
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+#define ORCA_Q8_ISA 3
+#include "quantized_matmul_int8_kernel.inc"
+#undef ORCA_Q8_ISA
+}  // namespace avx2
+#pragma GCC pop_options
+#endif
+namespace base {
+#define ORCA_Q8_ISA 4
+#include "quantized_matmul_int8_kernel.inc"
+#undef ORCA_Q8_ISA
+}  // namespace base
+
+namespace {
+
+using ItemFn = void (*)(const Problem&, const Activations&, int64_t, int64_t);
+
+template <Format F>
+ItemFn pick_isa(int isa) {
+#if defined(__x86_64__)
+  switch (isa) {
+    case 0: return avx512vnni::item<F>;
+    case 1: return avx512::item<F>;
+    case 2: return avxvnni::item<F>;
+    case 3: return avx2::item<F>;
+    default: break;
+  }
+#endif
+  return base::item<F>;
+}
+
+ItemFn pick(Format f, int isa) {
+  switch (f) {
+    case Format::kQ4_0: return pick_isa<Format::kQ4_0>(isa);
+    case Format::kQ4_1: return pick_isa<Format::kQ4_1>(isa);
+    case Format::kQ8_0: return pick_isa<Format::kQ8_0>(isa);
+    case Format::kQ5_0: return pick_isa<Format::kQ5_0>(isa);
+    case Format::kQ5_1: return pick_isa<Format::kQ5_1>(isa);
+    case Format::kQ4_K: return pick_isa<Format::kQ4_K>(isa);
+    case Format::kQ5_K: return pick_isa<Format::kQ5_K>(isa);
+    case Format::kQ6_K: return pick_isa<Format::kQ6_K>(isa);
+    default: return pick_isa<Format::kInt8>(isa);
+  }
+}
+
+}  // namespace
+
+void int8_activations_matmul(xla::ffi::ThreadPool& pool, const Problem& p, Format f, int isa) {
+  Activations a;
+  a.pairs = (p.blocks + 1) / 2;
+  const size_t lanes = static_cast<size_t>(p.tokens * a.pairs * kLanes);
+  a.q.assign(4 * lanes, 0);
+  a.init.assign(lanes, 0);
+  a.d.assign(lanes, 0.0f);
+  a.sums.assign(lanes, 0.0f);
+  // A few KB per token: quantized on the calling thread, before the rows are shared out.
+  for (int64_t t = 0; t < p.tokens; ++t) quantize_row(p, t, q_offset(f), a);
+  const ItemFn run = pick(f, isa);
+  const int64_t items = (p.out_features + kRowsPerItem - 1) / kRowsPerItem;
+  orca_native::parallel_for(pool, items, [&](int64_t i) {
+    run(p, a, i * kRowsPerItem, std::min<int64_t>((i + 1) * kRowsPerItem, p.out_features));
+  });
+}
+
+}  // namespace orca_qmm
