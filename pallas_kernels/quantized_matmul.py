@@ -89,7 +89,7 @@ INT8_ACTIVATION_FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "q5_0", "q5_1", "q4_k
 __all__ = ["ACTIVATIONS", "BLOCK", "INT8_ACTIVATION_FORMATS", "BLOCK_BYTES", "FLOAT_NATIVE_MAX_TOKENS", "FORMATS", "GGUF_FORMATS", "NATIVE_FORMATS",
            "NATIVE_MAX_TOKENS", "SUPER_BLOCK", "block_weights", "check_weights", "dequantize", "dequantize_reference",
            "quantize_int8", "quantized_matmul", "xla_activations", "quantized_matmul_native", "quantized_matmul_reference",
-           "quantized_matmul_xla", "row_size"]
+           "quantized_matmul_xla", "random_blocks", "row_size"]
 
 
 def block_weights(format: str) -> int:
@@ -270,6 +270,24 @@ def quantized_matmul_reference(x: np.ndarray, format: str, weights: np.ndarray,
     if num_rows is not None:
         out[max(num_rows, 0):] = 0.0
     return out
+
+
+def random_blocks(format: str, rows: int, blocks: int, rng, scale: float | None = None) -> np.ndarray:
+    """GGUF rows [rows, blocks * block bytes] of random bytes with finite f16 d (and m or dmin), for
+    tests and benchmarks: scale None draws them normal (every bit of the scales, mins and high bits
+    set somewhere, which a quantizer may not do); a float draws them uniform in [0.5, 1.5] * scale
+    (small scales keep a chain of layers finite)."""
+    size = BLOCK_BYTES[format]
+    data = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    draw = rng.standard_normal((rows, blocks, 2)) if scale is None else rng.uniform(0.5, 1.5, (rows, blocks, 2)) * scale
+    halves = draw.astype(np.float16).view(np.uint8).reshape(rows, blocks, 4)
+    if format == "q6_k":
+        data[..., size - 2:] = halves[..., :2]  # d last
+    elif format in ("q4_0", "q8_0", "q5_0"):
+        data[..., :2] = halves[..., :2]
+    else:  # d, then m or dmin
+        data[..., :4] = halves
+    return data.reshape(rows, -1)
 
 
 def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -34,40 +34,8 @@ struct Activations {
   std::vector<float> sums;    // [T, pairs, 16]: f32(float(sum of the lane's 4 q_x) * d_x), for minimums
 };
 
-// Round to the nearest integer, half to even, for |v| < 2^22: adding 1.5 * 2^23 leaves no fraction
-// bits, so the add rounds (in the default rounding mode) and the subtraction is exact. numpy's rint
-// gives the same; libm's rintf would be a call per value on the baseline.
-inline float round_half_even(float v) {
-  const float magic = 12582912.0f;
-  return (v + magic) - magic;
-}
-
 int32_t q_offset(Format f) {
   return f == Format::kQ4_0 ? 8 : f == Format::kQ5_0 ? 16 : f == Format::kQ6_K ? 32 : 0;
-}
-
-// Token t's row, quantized: per 32-value block, d = max |x| / 127, q = round-half-even(x * (1 / d)).
-void quantize_row(const Problem& p, int64_t t, int32_t offset, Activations& a) {
-  for (int64_t b = 0; b < p.blocks; ++b) {
-    const float* x = p.x + t * p.in + b * kBlock;
-    float peak = 0.0f;
-    for (int i = 0; i < kBlock; ++i) peak = std::max(peak, std::fabs(x[i]));
-    const float d = peak / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
-    const int64_t pair = t * a.pairs + b / 2;
-    const int e = static_cast<int>(b % 2);
-    for (int i = 0; i < kBlock; ++i) {
-      const int lane = 8 * (i / 16) + 4 * e + i % 16 / 4;
-      const float q = std::clamp(round_half_even(x[i] * inverse), -127.0f, 127.0f);
-      a.q[64 * pair + 4 * lane + i % 4] = static_cast<int8_t>(q);
-    }
-    for (int lane : {4 * e, 4 * e + 1, 4 * e + 2, 4 * e + 3, 8 + 4 * e, 9 + 4 * e, 10 + 4 * e, 11 + 4 * e}) {
-      int32_t sum = 0;
-      for (int i = 0; i < 4; ++i) sum += a.q[64 * pair + 4 * lane + i];
-      a.init[kLanes * pair + lane] = -offset * sum;
-      a.d[kLanes * pair + lane] = d;
-      a.sums[kLanes * pair + lane] = static_cast<float>(sum) * d;
-    }
-  }
 }
 
 }  // namespace
@@ -116,6 +84,15 @@ namespace base {
 namespace {
 
 using ItemFn = void (*)(const Problem&, const Activations&, int64_t, int64_t);
+using QuantizeFn = void (*)(const Problem&, int64_t, int32_t, Activations&);
+
+QuantizeFn pick_quantize(int isa) {
+#if defined(__x86_64__)
+  if (isa <= 1) return avx512::quantize_row;
+  if (isa <= 3) return avx2::quantize_row;
+#endif
+  return base::quantize_row;
+}
 
 template <Format F>
 ItemFn pick_isa(int isa) {
@@ -156,7 +133,8 @@ void int8_activations_matmul(xla::ffi::ThreadPool& pool, const Problem& p, Forma
   a.d.assign(lanes, 0.0f);
   a.sums.assign(lanes, 0.0f);
   // A few KB per token: quantized on the calling thread, before the rows are shared out.
-  for (int64_t t = 0; t < p.tokens; ++t) quantize_row(p, t, q_offset(f), a);
+  const QuantizeFn quantize = pick_quantize(isa);
+  for (int64_t t = 0; t < p.tokens; ++t) quantize(p, t, q_offset(f), a);
   const ItemFn run = pick(f, isa);
   const int64_t items = (p.out_features + kRowsPerItem - 1) / kRowsPerItem;
   orca_native::parallel_for(pool, items, [&](int64_t i) {

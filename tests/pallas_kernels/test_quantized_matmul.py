@@ -33,21 +33,6 @@ def shapes(format: str) -> list[tuple[int, int, int]]:
     return [(t, inner if inner % qm.block_weights(format) == 0 else 768, out) for t, inner, out in SHAPES]
 
 
-def random_blocks(format: str, rows: int, blocks: int, rng) -> np.ndarray:
-    """GGUF rows [rows, blocks * block bytes] of random bytes with finite f16 d (and m or dmin): every
-    bit of the scales, mins and high bits set somewhere (a quantizer leaves some at zero)."""
-    size = qm.BLOCK_BYTES[format]
-    data = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
-    halves = rng.standard_normal((rows, blocks, 2)).astype(np.float16).view(np.uint8).reshape(rows, blocks, 4)
-    if format == "q6_k":
-        data[..., size - 2:] = halves[..., :2]  # d last
-    elif format in ("q4_0", "q8_0", "q5_0"):
-        data[..., :2] = halves[..., :2]
-    else:  # d, then m or dmin
-        data[..., :4] = halves
-    return data.reshape(rows, -1)
-
-
 def quantized(format: str, w: np.ndarray):
     if format == "f32":
         return w, None
@@ -88,7 +73,7 @@ def test_every_variant_reads_random_blocks_as_the_reference(restore_isa, format)
     blocks may not do), one token and a buffered call of several, every variant bit for bit."""
     rng = np.random.default_rng(100 + qm.FORMATS.index(format))
     inner = 1536
-    weights = random_blocks(format, 67, inner // qm.block_weights(format), rng)
+    weights = qm.random_blocks(format, 67, inner // qm.block_weights(format), rng)
     for tokens in (1, 3, 9):
         x = rng.standard_normal((tokens, inner)).astype(np.float32)
         want = qm.quantized_matmul_reference(x, format, weights)
@@ -190,7 +175,7 @@ def test_blocks_dequantize_exactly_as_gguf_does(format):
 def test_random_blocks_dequantize_exactly_as_gguf_does(format):
     """Every bit of the scales, mins and high bits set somewhere (a quantizer leaves some at zero):
     random bytes with finite f16 d (and dmin)."""
-    weights = random_blocks(format, 16, 3, np.random.default_rng(4))
+    weights = qm.random_blocks(format, 16, 3, np.random.default_rng(4))
     want = gguf.quants.dequantize(weights, GGUF_TYPES[format])
     assert np.isfinite(want).all()
     np.testing.assert_array_equal(qm.dequantize_reference(format, weights), want)
