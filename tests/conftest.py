@@ -327,13 +327,15 @@ def quantized_smollm2(smollm2, quantization):
 
 @pytest.fixture(scope="session")
 def smollm2_gguf(smollm2):
-    """SmolLM2 serving its GGUF's own blocks (Q4_1 projections, Q8_0 embedding and tied head)."""
+    """SmolLM2 serving its GGUF's own blocks (Q4_1 projections, Q8_0 embedding and tied head), with
+    int8 activations (the engine's default)."""
     return quantized_smollm2(smollm2, "gguf")
 
 
 @pytest.fixture(scope="session")
 def smollm2_int8(smollm2):
-    """SmolLM2's float32 weights quantized to int8 per output channel."""
+    """SmolLM2's float32 weights quantized to int8 per output channel (float32 activations, the
+    engine's default for int8 weights)."""
     return quantized_smollm2(smollm2, "int8")
 
 

@@ -13,6 +13,9 @@ linear methods (linear.py) for its matrices, whose matmuls read the quantized ro
 - `int8`: every float matrix quantized at load per output channel (one scale per output row: the
   embedding's rows are the tied head's outputs), symmetric, round-half-even: Int8Linear.
 
+Either way the matrices take their inputs quantized to int8 per row and 32 values (llama.cpp's
+method, the default) or as float32 (`activations`; the engine's `quantization_activations`).
+
 Norms, biases and activations stay in the model's dtype; the float model (`none`) remains the
 reference the quantized ones are measured against. Quantized matrices are not split over devices:
 EngineConfig refuses tensor_parallel_size > 1 with a quantization.
@@ -27,14 +30,14 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax.config import ConfigError
+from orca_jax.config import ConfigError, activations_for
 from orca_jax.model.backends import native_matmuls
 from orca_jax.model.decoder import Decoder
 from orca_jax.model.layers import Dense, Embed
 from orca_jax.model.linear import GGUF_BLOCK_TYPES, GGUFBlockLinear, Int8Linear, LinearMethod, RowsLinear
 from orca_jax.model.relayout import matrices, relayout
 from orca_jax.optional import import_optional
-from pallas_kernels.quantized_matmul import BLOCK, NATIVE_MAX_TOKENS, check_weights, quantize_int8
+from pallas_kernels.quantized_matmul import ACTIVATIONS, BLOCK, NATIVE_MAX_TOKENS, check_weights, quantize_int8
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +52,12 @@ class QuantizationReport:
     # Formats served in place whose CPU matmuls take XLA's dequantize-then-dot although the native
     # kernel is loaded (it does not know them).
     xla_formats: set[str] = dataclasses.field(default_factory=set)
+    activations: str = "float32"  # how the quantized matrices take their inputs
     dequantized_types: set[str] = dataclasses.field(default_factory=set)  # GGUF types left in float
 
     def one_line(self) -> str:
         kept = ", ".join(f"{n} {fmt}" for fmt, n in sorted(self.kept.items()))
-        line = f"quantized matrices: {kept} ({self.quantized_bytes / 2**20:.0f} MiB)"
+        line = f"quantized matrices: {kept} ({self.quantized_bytes / 2**20:.0f} MiB), {self.activations} activations"
         if self.xla_formats:
             line += f"; {', '.join(sorted(self.xla_formats))} by XLA's dequantize-then-dot (no native CPU kernel)"
         if self.float_matrices:
@@ -83,20 +87,25 @@ class _Quantized:
         self.report.quantized_bytes += rows.nbytes + (0 if scales is None else scales.nbytes)
 
 
-def quantize_decoder(model: Decoder, quantization: str, checkpoint_dir: Path,
-                     native_max_tokens: int = NATIVE_MAX_TOKENS) -> tuple[Decoder, QuantizationReport]:
+def quantize_decoder(model: Decoder, quantization: str, checkpoint_dir: Path, native_max_tokens: int = NATIVE_MAX_TOKENS,
+                     activations: str = "auto") -> tuple[Decoder, QuantizationReport]:
     """A new decoder, `model`'s with its matrices quantized (the given one is left as it is).
-    `native_max_tokens`: the most rows a call sends to the native kernel on CPU (tests raise it)."""
-    quantized = _Quantized(QuantizationReport({}, [], 0))
+    `native_max_tokens`: the most rows a call sends to the native kernel on CPU (tests raise it).
+    `activations`: how the quantized matrices take their inputs, "int8" or "float32"
+    (pallas_kernels/int8_activations.py); "auto" as the engine's default (config.activations_for)."""
+    activations = activations_for(activations, quantization)
+    if activations not in ACTIVATIONS:
+        raise ConfigError(f"quantize_decoder: activations must be auto, {' or '.join(ACTIVATIONS)}, got {activations!r}")
+    quantized = _Quantized(QuantizationReport({}, [], 0, activations=activations))
     cpu_native = native_matmuls()
     if quantization == "gguf":
         import_optional("gguf", "quantization='gguf'", ConfigError)  # gguf_import needs it
         from orca_jax.checkpoint.gguf_import import GGUF_FILE
 
         _serve_gguf_blocks(model, Path(checkpoint_dir) / GGUF_FILE, quantized,
-                           lambda block_type: GGUFBlockLinear(block_type, cpu_native, native_max_tokens))
+                           lambda block_type: GGUFBlockLinear(block_type, cpu_native, native_max_tokens, activations))
     elif quantization == "int8":
-        method = Int8Linear(cpu_native, native_max_tokens)
+        method = Int8Linear(cpu_native, native_max_tokens, activations)
         for name, (path, module) in _matrices(model).items():
             _quantize_int8(name, path, module, method, quantized)
     else:

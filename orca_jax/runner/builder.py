@@ -18,7 +18,7 @@ from orca_jax.checkpoint.convert import ensure_pulled
 from orca_jax.checkpoint.dummy import DummyWeights
 from orca_jax.checkpoint.store import (CheckpointWeights, LoadedModel, load_model, open_model, read_model_config,
                                        resolve_checkpoint_dir)
-from orca_jax.config import DEFAULT_CPU_KV_CACHE_MEMORY, ConfigError, EngineConfig, ModelConfig, kv_page_dtype
+from orca_jax.config import DEFAULT_CPU_KV_CACHE_MEMORY, ConfigError, EngineConfig, ModelConfig, activations_for, kv_page_dtype
 from orca_jax.parallel.layout import kv_heads_for_tp
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.runner.model_runner import ModelRunner
@@ -77,7 +77,8 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
             # model, not the per-stage restore, which has no quantized form yet.
             loaded = dataclasses.replace(load_model(loaded.path, dtype=loaded.config.dtype), tokenizer=loaded.tokenizer)
             weights = None
-        loaded = quantized(loaded, config.quantization, options.show_progress)
+        loaded = quantized(loaded, config.quantization, options.show_progress,
+                           activations_for(config.quantization_activations, config.quantization))
     model_config = loaded.config
     max_model_len = config.max_model_len or model_config.max_position
     if max_model_len > model_config.max_position:
@@ -214,11 +215,12 @@ def _device_memory(devices: list | None) -> int | None:
     return min(limits) if all(limits) else None
 
 
-def quantized(loaded: LoadedModel, quantization: str, show_progress: bool) -> LoadedModel:
-    """The loaded model with its matrices quantized (a copy: a model the caller passed in stays float)."""
+def quantized(loaded: LoadedModel, quantization: str, show_progress: bool, activations: str) -> LoadedModel:
+    """The loaded model with its matrices quantized (a copy: a model the caller passed in stays float),
+    taking their inputs as `activations` (int8 or float32)."""
     from orca_jax.model.quantization import quantize_decoder
 
-    model, report = quantize_decoder(loaded.model, quantization, loaded.path)
+    model, report = quantize_decoder(loaded.model, quantization, loaded.path, activations=activations)
     if show_progress:
         print(f"orca_jax: --quantization {quantization}: {report.one_line()}", file=sys.stderr)
     return dataclasses.replace(loaded, model=model)
