@@ -19,6 +19,7 @@ from pallas_kernels import native
 from pallas_kernels import quantized_matmul as qm
 
 from ..conftest import require_native
+from .test_native_isa import float_variants
 from ..kquants import QUANTIZERS, quantize_k
 
 GGUF_TYPES = {format: gguf.GGMLQuantizationType[format.upper()] for format in qm.GGUF_FORMATS}
@@ -61,7 +62,7 @@ def test_every_variant_equals_the_reference_bit_for_bit(restore_isa, format):
         weights, scales = quantized(format, rng.standard_normal((out, inner)).astype(np.float32))
         x = rng.standard_normal((tokens, inner)).astype(np.float32)
         want = qm.quantized_matmul_reference(x, format, weights, scales)
-        for isa in native.supported_isas():
+        for isa in float_variants():
             native.select_isa(isa)
             got = np.asarray(native_matmul(x, format, weights, scales))
             np.testing.assert_array_equal(got, want, err_msg=f"{format} {isa} T={tokens} in={inner} out={out}")
@@ -78,7 +79,7 @@ def test_every_variant_reads_random_blocks_as_the_reference(restore_isa, format)
         x = rng.standard_normal((tokens, inner)).astype(np.float32)
         want = qm.quantized_matmul_reference(x, format, weights)
         assert np.isfinite(want).all()
-        for isa in native.supported_isas():
+        for isa in float_variants():
             native.select_isa(isa)
             got = np.asarray(native_matmul(x, format, weights, None))
             np.testing.assert_array_equal(got, want, err_msg=f"{format} {isa} T={tokens}")
@@ -103,7 +104,7 @@ def test_rows_past_num_rows_are_skipped_as_padding(restore_isa, format):
     x = rng.standard_normal((8, 576)).astype(np.float32)
     full = qm.quantized_matmul_reference(x, format, weights, scales)
     program = jax.jit(lambda x, w, n: qm.quantized_matmul(x, format, w, None, n))
-    for isa in native.supported_isas():
+    for isa in float_variants():
         native.select_isa(isa)
         for rows in (0, 1, 5, 8):
             got = np.asarray(program(x, weights, np.int32(rows)))
