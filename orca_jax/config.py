@@ -45,7 +45,7 @@ Quantization = Literal["none", "gguf", "int8"]
 # activation row per 32-value block and multiplies with integer dot products (llama.cpp's method);
 # "float32" multiplies the activations as they are by the exactly dequantized weights (the reference
 # the fidelity tests compare against); "auto": int8 for gguf, float32 for int8 weights (activations_for).
-QuantizationActivations = Literal["auto", "int8", "float32"]
+QuantizationActivations = Literal["auto", "float32", "int8"]
 
 
 # The choice lists, defined once: the CLI's choices, the TOML loader's checks and their errors use them.
@@ -289,9 +289,10 @@ class EngineConfig:
                  "split them: use tensor_parallel_size=1 (pipeline_parallel_size may be larger), or "
                  "quantization='none' to split float weights over devices")
         check_literal(self, "quantization_activations", QUANTIZATION_ACTIVATIONS_CHOICES)
-        require(self.quantization != "none" or self.quantization_activations == "auto",
-                 f"quantization_activations={self.quantization_activations!r} applies to quantized weights: set "
-                 "quantization='gguf' or 'int8', or leave quantization_activations='auto'")
+        # float32 is what float matrices take anyway; int8 needs quantized ones.
+        require(self.quantization != "none" or self.quantization_activations != "int8",
+                 "quantization_activations='int8' quantizes the inputs of quantized matrices, and quantization='none' "
+                 "has none: set quantization='gguf' or 'int8', or leave quantization_activations='auto'")
         if self.max_model_len is not None:
             check_positive(self, "max_model_len")
         require(

@@ -74,6 +74,13 @@ LANES = 16  # the native kernel's vector width, which fixes its summation order
 # 17-32 sequences dequantized every matrix through XLA, and 64 requests at 32 in flight (Q4_1, the
 # Zen 3, alternated twice) went 42.9 / 47.8 -> 70.0 / 73.5 tok/s.
 NATIVE_MAX_TOKENS = 32
+# With int8 activations the native kernel keeps ahead of XLA's path (which dequantizes the weights and
+# the activations, then dots) to larger calls: process CPU time of 3 SmolLM2 layers of Q4_1 on a loaded
+# Zen 4 (2026-12-05, bench/results/2026-12-05/): 128 rows 50.9 against 57.8 ms, 512 rows 200 against
+# 138. Prompt chunks of up to 128 tokens thus take the kernel's arithmetic too, and a row's result
+# does not depend on its batch up to there (int8 activations magnify the f32 rounding that differs
+# between the two paths into steps of the activations' quantization).
+INT8_NATIVE_MAX_TOKENS = 128
 # For f32 rows XLA's own dot is the other side: a 1-row dot runs on one thread near memory speed
 # already; at 2-8 rows the kernel's reading every row once on every thread wins (Intel Xeon,
 # 2026-12-01, 30 layers of SmolLM2's matrices, 4 x 4 AVX-512 tile: 4 rows 18.7-24.1 against
@@ -86,7 +93,7 @@ FLOAT_NATIVE_MAX_TOKENS = 8
 ACTIVATIONS = ("float32", "int8")
 INT8_ACTIVATION_FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 
-__all__ = ["ACTIVATIONS", "BLOCK", "INT8_ACTIVATION_FORMATS", "BLOCK_BYTES", "FLOAT_NATIVE_MAX_TOKENS", "FORMATS", "GGUF_FORMATS", "NATIVE_FORMATS",
+__all__ = ["ACTIVATIONS", "BLOCK", "INT8_ACTIVATION_FORMATS", "INT8_NATIVE_MAX_TOKENS", "BLOCK_BYTES", "FLOAT_NATIVE_MAX_TOKENS", "FORMATS", "GGUF_FORMATS", "NATIVE_FORMATS",
            "NATIVE_MAX_TOKENS", "SUPER_BLOCK", "block_weights", "check_weights", "dequantize", "dequantize_reference",
            "quantize_int8", "quantized_matmul", "xla_activations", "quantized_matmul_native", "quantized_matmul_reference",
            "quantized_matmul_xla", "random_blocks", "row_size"]

@@ -341,8 +341,8 @@ def smollm2_int8(smollm2):
 
 @pytest.fixture(scope="session")
 def smollm2_gguf_runner(smollm2_gguf):
-    # A 16-token bucket: decode steps (<= 8 sequences) run the native kernel, prefills in the 128-token
-    # one XLA's dequantize-then-dot (quantized_matmul.NATIVE_MAX_TOKENS).
+    # A 16-token bucket for decode steps and a 128-token one for prefills: with int8 activations (the
+    # default for gguf) both run the native kernel (quantized_matmul.INT8_NATIVE_MAX_TOKENS).
     return warm_smollm2_runner(smollm2_gguf, token_buckets=(16, 128))
 
 

@@ -37,7 +37,8 @@ from orca_jax.model.layers import Dense, Embed
 from orca_jax.model.linear import GGUF_BLOCK_TYPES, GGUFBlockLinear, Int8Linear, LinearMethod, RowsLinear
 from orca_jax.model.relayout import matrices, relayout
 from orca_jax.optional import import_optional
-from pallas_kernels.quantized_matmul import ACTIVATIONS, BLOCK, NATIVE_MAX_TOKENS, check_weights, quantize_int8
+from pallas_kernels.quantized_matmul import (ACTIVATIONS, BLOCK, INT8_NATIVE_MAX_TOKENS, NATIVE_MAX_TOKENS, check_weights,
+                                             quantize_int8)
 
 log = logging.getLogger(__name__)
 
@@ -87,15 +88,18 @@ class _Quantized:
         self.report.quantized_bytes += rows.nbytes + (0 if scales is None else scales.nbytes)
 
 
-def quantize_decoder(model: Decoder, quantization: str, checkpoint_dir: Path, native_max_tokens: int = NATIVE_MAX_TOKENS,
+def quantize_decoder(model: Decoder, quantization: str, checkpoint_dir: Path, native_max_tokens: int | None = None,
                      activations: str = "auto") -> tuple[Decoder, QuantizationReport]:
     """A new decoder, `model`'s with its matrices quantized (the given one is left as it is).
-    `native_max_tokens`: the most rows a call sends to the native kernel on CPU (tests raise it).
+    `native_max_tokens`: the most rows a call sends to the native kernel on CPU (None: the kernel's
+    measured crossover with XLA for the activations, NATIVE_MAX_TOKENS or INT8_NATIVE_MAX_TOKENS).
     `activations`: how the quantized matrices take their inputs, "int8" or "float32"
     (pallas_kernels/int8_activations.py); "auto" as the engine's default (config.activations_for)."""
     activations = activations_for(activations, quantization)
     if activations not in ACTIVATIONS:
         raise ConfigError(f"quantize_decoder: activations must be auto, {' or '.join(ACTIVATIONS)}, got {activations!r}")
+    if native_max_tokens is None:
+        native_max_tokens = INT8_NATIVE_MAX_TOKENS if activations == "int8" else NATIVE_MAX_TOKENS
     quantized = _Quantized(QuantizationReport({}, [], 0, activations=activations))
     cpu_native = native_matmuls()
     if quantization == "gguf":

@@ -1,8 +1,10 @@
-"""The engine serving quantized SmolLM2 (`gguf`: the GGUF's Q4_1/Q8_0 blocks; `int8`): a request
-batched follows its solo run, greedy: the same tokens, logprobs within float32's rounding drift. The
-native matmul sums each output in a fixed order whatever the batch, so only the XLA parts of a step
-(norms, rotary, sampler) can differ with it. `gguf` runs under every policy; `int8` (the same kernel
-and engine path, another block format) under the default policy, to keep the suite's time."""
+"""The engine serving quantized SmolLM2 (`gguf`: the GGUF's Q4_1/Q8_0 blocks with int8 activations,
+the default; `int8` weights with float32 activations): a request batched follows its solo run,
+greedy: the same tokens, logprobs within float32's rounding drift. The native matmul sums each output
+in a fixed order whatever the batch (and with int8 activations takes the prefills too), so only the
+XLA parts of a step (norms, rotary, sampler) can differ with it. `gguf` runs under every policy;
+`int8` (the same engine path, the float32-activation kernel) under the default policy, to keep the
+suite's time."""
 
 import pytest
 

@@ -18,7 +18,6 @@ from orca_jax.config import ConfigError, EngineConfig, ParallelConfig
 from orca_jax.model.linear import FloatLinear
 from orca_jax.model.quantization import quantize_decoder
 from orca_jax.parallel.memory_plan import plan_memory
-from pallas_kernels.quantized_matmul import NATIVE_MAX_TOKENS
 
 # Measured on the fixtures' 133 positions (printed with -s). The float32 checkpoint is the same GGUF
 # dequantized, so `gguf` with float32 activations computes the very same weights: agreement 1.000,
@@ -78,7 +77,7 @@ def test_quantized_model_agrees_with_float32(request, smollm2, case, fixture_bat
         model = request.getfixturevalue(f"smollm2_{quantization}").model
     else:
         model = quantize_decoder(smollm2.model, quantization, smollm2.path, activations=activations,
-                                 native_max_tokens=1 << 20 if all_native else NATIVE_MAX_TOKENS)[0]
+                                 native_max_tokens=1 << 20 if all_native else None)[0]
     got = np.asarray(teacher_forced_logprobs(model, *fixture_batch))
     want_top1 = float32_logprobs.argmax(-1)
     agreement = float(np.mean(got.argmax(-1) == want_top1))
@@ -126,9 +125,9 @@ def test_bad_quantization_settings_are_refused():
         EngineConfig(quantization="q4")
     with pytest.raises(ConfigError, match="use tensor_parallel_size=1"):
         EngineConfig(quantization="int8", parallel=ParallelConfig(tensor_parallel_size=3))
-    with pytest.raises(ConfigError, match=r"quantization_activations=.int4.; choose one of \[.auto., .int8., .float32.\]"):
+    with pytest.raises(ConfigError, match=r"quantization_activations=.int4.; choose one of \[.auto., .float32., .int8.\]"):
         EngineConfig(quantization="gguf", quantization_activations="int4")
-    with pytest.raises(ConfigError, match="applies to quantized weights: set quantization='gguf' or 'int8'"):
+    with pytest.raises(ConfigError, match="quantization='none' has none: set quantization='gguf' or 'int8'"):
         EngineConfig(quantization_activations="int8")
     with pytest.raises(ConfigError, match="activations must be auto, float32 or int8"):
         quantize_decoder(None, "gguf", Path("."), activations="int4")
