@@ -16,10 +16,15 @@ with a zero one). Lane 8h + 4e + k of pair p covers weights 16h + 4k .. 16h + 4k
 
     int_lane = sum over its 4 weights of q_x * (q_w - offset)            (exact: integers)
     acc = fma(float(int_lane), f32(s_lane * d_lane), acc)                (s of the lane's block and half)
-    acc = fma(f32(float(sum of its 4 q_x) * d_lane), m_lane, acc)        (formats with a minimum only)
 
-pairs in order, each operation rounded once to f32; then the halving tree over the 16 lanes (8 + 8,
-4 + 4, 2 + 2, 1 + 1) and, for int8 rows, the row scale. Integer sums are exact whatever instructions
+pairs in order, each operation rounded once to f32. Formats with a minimum sum it apart, per group of
+16 blocks (the block count padded with zero blocks to a multiple of 16), lane i of group g taking
+block 16g + i:
+
+    min_acc = fma(f32(float(sum of the block's 32 q_x) * d_x), m_block, min_acc)    (groups in order)
+
+and acc = acc + min_acc, lane by lane. Then the halving tree over the 16 lanes (8 + 8, 4 + 4, 2 + 2,
+1 + 1) and, for int8 rows, the row scale. Integer sums are exact whatever instructions
 form them (AVX-512 VNNI's vpdpbusd, AVX-VNNI's, vpmaddubsw + vpmaddwd on AVX-512 and AVX2, plain ints
 on the baseline), so every variant gives these bits, and a row's result depends on its own values
 only: batch-invariant.
@@ -138,16 +143,19 @@ def matmul_reference(x: np.ndarray, format: str, weights: np.ndarray, scales: np
     ints = np.einsum("tpla,opla->topl", _lanes(qx.astype(np.int64)), _lanes(qw.astype(np.int64)))
     dx_lanes = _per_lane(np.repeat(dx[..., None], 2, axis=-1))  # [T, P, 16]
     scale = (_per_lane(s)[None] * dx_lanes[:, None]).astype(np.float32)  # [T, O, P, 16], rounded once
-    with_minimum = format in WITH_MINIMUM
-    if with_minimum:
-        x_sums = (_lanes(qx.astype(np.int64)).sum(-1).astype(np.float32) * dx_lanes).astype(np.float32)
-        minimum = _per_lane(np.repeat(m[..., None], 2, axis=-1))  # [O, P, 16]
     acc = np.zeros(ints.shape[:2] + (LANES,), np.float32)
     for p in range(ints.shape[2]):
         acc = fma_f32(ints[:, :, p].astype(np.float32), scale[:, :, p], acc)
-        if with_minimum:
-            x_sum, m_p = np.broadcast_arrays(x_sums[:, None, p], minimum[None, :, p])
-            acc = fma_f32(x_sum, m_p, acc)
+    if format in WITH_MINIMUM:
+        pad = -qx.shape[1] % LANES  # zero blocks up to whole groups of 16
+        block_sums = (qx.astype(np.int64).sum(-1).astype(np.float32) * dx).astype(np.float32)  # [T, B]
+        block_sums, m = np.pad(block_sums, ((0, 0), (0, pad))), np.pad(m, ((0, 0), (0, pad)))
+        min_acc = np.zeros_like(acc)
+        for g in range(m.shape[1] // LANES):
+            group = slice(g * LANES, (g + 1) * LANES)
+            x_sum, m_g = np.broadcast_arrays(block_sums[:, None, group], m[None, :, group])
+            min_acc = fma_f32(x_sum, m_g, min_acc)
+        acc = acc + min_acc
     width = LANES
     while width > 1:
         width //= 2

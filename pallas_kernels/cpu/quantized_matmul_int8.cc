@@ -27,11 +27,11 @@ constexpr int kRowsPerItem = 32;  // work item: output rows one thread takes at 
 // x quantized, per token and pair of blocks (blocks 2p and 2p + 1), in lane order: lane 8h + 4e + k
 // covers weights 16h + 4k .. + 3 of block 2p + e. An odd count's last pair has a zero second block.
 struct Activations {
-  int64_t pairs = 0;
-  std::vector<int8_t> q;      // [T, pairs, 64]: byte 4 lane + i = q_x of the lane's weight i
-  std::vector<int32_t> init;  // [T, pairs, 16]: -offset * (sum of the lane's 4 q_x), where lanes start
-  std::vector<float> d;       // [T, pairs, 16]: the lane's block's d_x
-  std::vector<float> sums;    // [T, pairs, 16]: f32(float(sum of the lane's 4 q_x) * d_x), for minimums
+  int64_t pairs = 0, groups = 0;  // groups: of 16 blocks (the minimums' unit)
+  std::vector<int8_t> q;           // [T, pairs, 64]: byte 4 lane + i = q_x of the lane's weight i
+  std::vector<int32_t> init;       // [T, pairs, 16]: -offset * (sum of the lane's 4 q_x), where lanes start
+  std::vector<float> d;            // [T, pairs, 16]: the lane's block's d_x
+  std::vector<float> block_sums;   // [T, groups * 16]: f32(float(sum of the block's 32 q_x) * d_x), zeros after the last
 };
 
 int32_t q_offset(Format f) {
@@ -131,7 +131,8 @@ void int8_activations_matmul(xla::ffi::ThreadPool& pool, const Problem& p, Forma
   a.q.assign(4 * lanes, 0);
   a.init.assign(lanes, 0);
   a.d.assign(lanes, 0.0f);
-  a.sums.assign(lanes, 0.0f);
+  a.groups = (p.blocks + 15) / 16;
+  a.block_sums.assign(static_cast<size_t>(p.tokens * a.groups * kLanes), 0.0f);
   // A few KB per token: quantized on the calling thread, before the rows are shared out.
   const QuantizeFn quantize = pick_quantize(isa);
   for (int64_t t = 0; t < p.tokens; ++t) quantize(p, t, q_offset(f), a);
