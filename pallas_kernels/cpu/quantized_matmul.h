@@ -88,6 +88,29 @@ struct Problem {
 // and 4-7 (mins). Each product is exact (an 11-bit f16 times an integer of at most 8 bits), and so
 // is the negation: the same floats as the reference's in any order of evaluation. `half` converts an
 // f16 (each variant its fastest exact way).
+// Q4_K/Q5_K's 12 bytes of six-bit scales and mins at sb + 4, as 16 bytes: scales 0-7, then mins 0-7.
+__attribute__((always_inline)) inline vb k_six_bits(const uint8_t* sb) {
+  uint32_t u[4];
+  std::memcpy(u, sb + 4, 12);
+  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4);  // mins 4-7
+  const uint32_t mins = u[1] & low6;                              // mins 0-3
+  u[1] = (u[2] & low4) | (((u[0] >> 6) & top2) << 4);             // scales 4-7
+  u[2] = mins;
+  u[0] &= low6;                                                   // scales 0-3
+  vb six;
+  std::memcpy(&six, u, kLanes);
+  return six;
+}
+
+// Q4_K/Q5_K's 16 sub-block floats: a_j = d * sc_j in lanes 0-7, dmin * m_j in lanes 8-15 (not negated).
+template <typename Half>
+__attribute__((always_inline)) inline vf k_products(const uint8_t* sb, Half half) {
+  const float d = half(sb), dmin = half(sb + 2);
+  const vf scale = {d, d, d, d, d, d, d, d, dmin, dmin, dmin, dmin, dmin, dmin, dmin, dmin};
+  return __builtin_convertvector(__builtin_convertvector(k_six_bits(sb), vi), vf) * scale;
+}
+
 template <Format F, typename Half>
 __attribute__((always_inline)) inline void k_header(const uint8_t* sb, float* out, Half half) {
   vf v;
@@ -96,19 +119,7 @@ __attribute__((always_inline)) inline void k_header(const uint8_t* sb, float* ou
     std::memcpy(&scales, sb + 192, kLanes);
     v = __builtin_convertvector(__builtin_convertvector(scales, vi), vf) * half(sb + 208);
   } else {
-    uint32_t u[4];
-    std::memcpy(u, sb + 4, 12);
-    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
-    u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4);  // mins 4-7
-    const uint32_t mins = u[1] & low6;                              // mins 0-3
-    u[1] = (u[2] & low4) | (((u[0] >> 6) & top2) << 4);             // scales 4-7
-    u[2] = mins;
-    u[0] &= low6;                                                   // scales 0-3
-    vb six;
-    std::memcpy(&six, u, kLanes);
-    const float d = half(sb), dmin = half(sb + 2);
-    const vf scale = {d, d, d, d, d, d, d, d, dmin, dmin, dmin, dmin, dmin, dmin, dmin, dmin};
-    const vf products = __builtin_convertvector(__builtin_convertvector(six, vi), vf) * scale;
+    const vf products = k_products(sb, half);
     // Interleaved as a_j, b_j with b = -(dmin * m): by lanes, as __builtin_shufflevector needs GCC 12
     // and this runs once per super-block.
     for (int j = 0; j < 8; ++j) {
@@ -117,6 +128,15 @@ __attribute__((always_inline)) inline void k_header(const uint8_t* sb, float* ou
     }
   }
   std::memcpy(out, &v, sizeof v);
+}
+
+// Q4_K/Q5_K's floats apart (the int8-activation kernel's layout): scales[j] = a_j = d * sc_j,
+// mins[j] = b_j = -(dmin * m_j), for the 8 sub-blocks; the same floats as k_header's.
+template <typename Half>
+__attribute__((always_inline)) inline void k_scales_mins(const uint8_t* sb, float* scales, float* mins, Half half) {
+  const vf products = k_products(sb, half), negated = -products;
+  std::memcpy(scales, &products, 8 * sizeof(float));
+  std::memcpy(mins, reinterpret_cast<const float*>(&negated) + 8, 8 * sizeof(float));
 }
 
 }  // namespace orca_qmm
