@@ -14,7 +14,8 @@ linear methods (linear.py) for its matrices, whose matmuls read the quantized ro
   embedding's rows are the tied head's outputs), symmetric, round-half-even: Int8Linear.
 
 Either way the matrices take their inputs quantized to int8 per row and 32 values (llama.cpp's
-method, the default) or as float32 (`activations`; the engine's `quantization_activations`).
+method; the default for gguf) or as float32 (the default for int8 weights): `activations`, the
+engine's `quantization_activations`.
 
 Norms, biases and activations stay in the model's dtype; the float model (`none`) remains the
 reference the quantized ones are measured against. Quantized matrices are not split over devices:
