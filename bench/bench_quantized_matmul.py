@@ -7,7 +7,9 @@ For each T: ms for the matrices of `--layers` layers (q, k, v, o, gate, up, down
 the format; for the K-quants, whose rows are multiples of 256 weights, a layer of width 768 and
 intermediate 2048 instead of SmolLM2's 576 and 1536, filled with random blocks of small scales), the weight bytes read per ms as GB/s, and XLA's time over the native kernel's (for
 `--format f32`, XLA's is the float model's own dot over [in, out] kernels: matmul_impl="xla"). Prints the
-CPU, numpy's copy bandwidth in the same run and a table; saves bench/results/quantized_matmul_new.json
+CPU, numpy's copy bandwidth in the same run and a table; every format but f32 is timed twice per
+variant, with float32 activations (`<isa>_ms`) and with int8 ones (`<isa>_int8_ms`, llama.cpp's method:
+pallas_kernels/int8_activations.py); saves bench/results/quantized_matmul_new.json
 (or --out). Where the two cross is what NATIVE_MAX_TOKENS encodes.
 """
 
@@ -47,28 +49,15 @@ def layer(format: str) -> list[tuple[int, int]]:
     return LAYER_K if qm.block_weights(format) == qm.SUPER_BLOCK else LAYER
 
 
-def k_blocks(format: str, shape: tuple[int, int], rng) -> np.ndarray:
-    """Random K-quant blocks (gguf-py has no K-quant quantizer): random bytes, with small f16 d (and
-    dmin) so the weights stay of order one and a chain of layers finite. The kernel's time does not
-    depend on the values."""
-    out, inner = shape
-    size = qm.BLOCK_BYTES[format]
-    data = rng.integers(0, 256, (out, inner // qm.SUPER_BLOCK, size), dtype=np.uint8)
-    scale = 1 / (127 * 32) if format == "q6_k" else 1 / (63 * 16)
-    halves = (rng.uniform(0.5, 1.5, data.shape[:2] + (2,)) * scale).astype(np.float16).view(np.uint8)
-    if format == "q6_k":
-        data[..., size - 2:] = halves[..., :2]
-    else:
-        data[..., :4] = halves.reshape(data.shape[:2] + (4,))
-    return data.reshape(out, -1)
-
-
 def weights(format: str, layers: int, rng) -> list[tuple[jax.Array, jax.Array | None]]:
     out = []
     for shape in layer(format) * layers:
         w = rng.standard_normal(shape).astype(np.float32)
         if format in ("q4_k", "q5_k", "q6_k"):
-            data, scales = k_blocks(format, shape, rng), None
+            # Random blocks (gguf-py has no K-quant quantizer) with small scales, so the weights stay of
+            # order one and the chain of layers finite; the kernel's time does not depend on the values.
+            scale = 1 / (127 * 32) if format == "q6_k" else 1 / (63 * 16)
+            data, scales = qm.random_blocks(format, shape[0], shape[1] // qm.SUPER_BLOCK, rng, scale), None
         elif format == "f32":
             data, scales = w, None
         elif format == "int8":
@@ -121,6 +110,10 @@ def main() -> None:
     print(f"{machine.cpu_name()}; numpy copies {bandwidth / 1e9:.1f} GB/s; {args.format}, {args.layers} layers "
           f"({nbytes / 1e6:.1f} MB of weights)")
     native_fn, xla_fn = program(qm.quantized_matmul_native, args.format), program(qm.quantized_matmul_xla, args.format)
+    int8_fn = None
+    if args.format in qm.INT8_ACTIVATION_FORMATS:
+        int8_fn = program(lambda x, format, data, scales: qm.quantized_matmul_native(x, format, data, scales, None, "int8"),
+                          args.format)
     xla_mats = mats
     if args.format == "f32":  # XLA's side is the float model's own dot (matmul_impl="xla"), over [in, out]
         xla_mats = [(jnp.asarray(np.asarray(d).T), s) for d, s in mats]
@@ -137,9 +130,18 @@ def main() -> None:
             native.select_isa(isa)
             row[f"{isa}_ms"] = 1000 * best_of(native_fn, (x, mats), args.repeat)
             row[f"{isa}_gb_per_s"] = nbytes / row[f"{isa}_ms"] / 1e6
+            if int8_fn is not None:
+                row[f"{isa}_int8_ms"] = 1000 * best_of(int8_fn, (x, mats), args.repeat)
+                row[f"{isa}_int8_gb_per_s"] = nbytes / row[f"{isa}_int8_ms"] / 1e6
         native.select_isa(chosen)
         rows.append(row)
-        cells = "  ".join(f"{isa} {row[f'{isa}_ms']:7.2f} ms ({nbytes / row[f'{isa}_ms'] / 1e6:5.1f} GB/s)" for isa in isas)
+
+        def cell(isa: str) -> str:
+            text = f"{isa} {row[f'{isa}_ms']:7.2f} ms ({nbytes / row[f'{isa}_ms'] / 1e6:5.1f} GB/s)"
+            if int8_fn is not None:
+                text += f" int8 x {row[f'{isa}_int8_ms']:7.2f} ms ({row[f'{isa}_int8_gb_per_s']:5.1f} GB/s)"
+            return text
+        cells = "  ".join(cell(isa) for isa in isas)
         print(f"T={tokens:4d}  {cells}  xla {row['xla_ms']:7.2f} ms  xla/{isas[0]} "
               f"{row['xla_ms'] / row[f'{isas[0]}_ms']:.2f}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,11 @@ LoadFormat = Literal["auto", "dummy"]  # auto: the checkpoint's weights; dummy: 
 # by tensor (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), "int8" quantizes float weights per output
 # channel at load; "none" keeps the dtype's.
 Quantization = Literal["none", "gguf", "int8"]
+# How quantized matrices take their inputs (pallas_kernels/int8_activations.py): "int8" quantizes each
+# activation row per 32-value block and multiplies with integer dot products (llama.cpp's method);
+# "float32" multiplies the activations as they are by the exactly dequantized weights (the reference
+# the fidelity tests compare against); "auto": int8 for gguf, float32 for int8 weights (activations_for).
+QuantizationActivations = Literal["auto", "float32", "int8"]
 
 
 # The choice lists, defined once: the CLI's choices, the TOML loader's checks and their errors use them.
@@ -53,6 +58,7 @@ MATMUL_PRECISION_CHOICES: tuple[str, ...] = typing.get_args(MatmulPrecision)
 SPECULATIVE_METHODS: tuple[str, ...] = typing.get_args(SpeculativeMethod)
 LOAD_FORMAT_CHOICES: tuple[str, ...] = typing.get_args(LoadFormat)
 QUANTIZATION_CHOICES: tuple[str, ...] = typing.get_args(Quantization)
+QUANTIZATION_ACTIVATIONS_CHOICES: tuple[str, ...] = typing.get_args(QuantizationActivations)
 
 
 def matmul_precision_for(setting: str, model_dtype: str) -> str:
@@ -63,6 +69,18 @@ def matmul_precision_for(setting: str, model_dtype: str) -> str:
     if setting != "auto":
         return setting
     return "highest" if model_dtype == "float32" else "default"
+
+
+def activations_for(setting: str, quantization: str) -> str:
+    """How quantized matrices take their activations. `auto`: int8 for GGUF blocks (as llama.cpp
+    serves them: fewer instructions per weight than dequantizing to float32, within the fidelity
+    bound docs/quantization.md states), float32 for int8 weights (quantizing both sides of SmolLM2's
+    int8 matrices fell under their own 95% top-1 bar); "none" for an unquantized model."""
+    if quantization == "none":
+        return "none"
+    if setting == "auto":
+        return "int8" if quantization == "gguf" else "float32"
+    return setting
 
 
 def setting(default: Any = MISSING, description: str = "", *, unit: str | None = None,
@@ -228,6 +246,11 @@ class EngineConfig:
     quantization: Quantization = setting(
         "none", "weights kept quantized on the device (none: the dtype's): gguf serves the GGUF's own blocks, "
                 "int8 quantizes float weights per output channel at load (docs/quantization.md)")
+    quantization_activations: QuantizationActivations = setting(
+        "auto", "how quantized matrices take their inputs: int8 quantizes each activation row per 32 values and "
+                "multiplies with integer dot products (llama.cpp's method); float32 multiplies them as they are by "
+                "the exactly dequantized weights (the reference); auto: int8 for gguf, float32 for int8 weights "
+                "(docs/quantization.md)")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -265,6 +288,11 @@ class EngineConfig:
                  f"quantization={self.quantization!r} keeps whole quantized matrices on each device and does not "
                  "split them: use tensor_parallel_size=1 (pipeline_parallel_size may be larger), or "
                  "quantization='none' to split float weights over devices")
+        check_literal(self, "quantization_activations", QUANTIZATION_ACTIVATIONS_CHOICES)
+        # float32 is what float matrices take anyway; int8 needs quantized ones.
+        require(self.quantization != "none" or self.quantization_activations != "int8",
+                 "quantization_activations='int8' quantizes the inputs of quantized matrices, and quantization='none' "
+                 "has none: set quantization='gguf' or 'int8', or leave quantization_activations='auto'")
         if self.max_model_len is not None:
             check_positive(self, "max_model_len")
         require(

@@ -55,10 +55,10 @@ from pallas_kernels.ragged_paged_attention import check_inputs, check_options, r
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 SOURCE = SOURCE_DIR / "ragged_paged_attention.cc"
 # One library holds every native kernel (they share the variant selection below).
-SOURCES = (SOURCE, SOURCE_DIR / "quantized_matmul.cc")
-HEADERS = (SOURCE_DIR / "parallel_for.h", SOURCE_DIR / "per_isa.h",
+SOURCES = (SOURCE, SOURCE_DIR / "quantized_matmul.cc", SOURCE_DIR / "quantized_matmul_int8.cc")
+HEADERS = (SOURCE_DIR / "parallel_for.h", SOURCE_DIR / "per_isa.h", SOURCE_DIR / "quantized_matmul.h",
            SOURCE_DIR / "ragged_paged_attention_kernel.inc", SOURCE_DIR / "quantized_matmul_kernel.inc",
-           SOURCE_DIR / "quantized_matmul_kquants.inc")
+           SOURCE_DIR / "quantized_matmul_kquants.inc", SOURCE_DIR / "quantized_matmul_int8_kernel.inc")
 TARGET = "orca_ragged_paged_attention"
 SYMBOL = "OrcaRaggedPagedAttention"
 WRITE_TARGET, WRITE_SYMBOL = "orca_write_kv", "OrcaWriteKV"
@@ -68,8 +68,12 @@ MATMUL_TARGET, MATMUL_SYMBOL = "orca_quantized_matmul", "OrcaQuantizedMatmul"
 CXX_FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp-simd", "-fvisibility=hidden")
 INSTALL_HINT = "install g++ 11 or later (e.g. `apt-get install g++`) or point $CXX at a C++20 compiler"
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
-# The instruction-set variants of every kernel, best first, numbered as the source's `Isa`.
-ISAS = ("avx512", "avx2", "base")
+# The instruction-set variants of every kernel, best first, numbered as the source's `Isa`. The VNNI
+# ones (AVX-512 VNNI: Zen 4/5, Xeon since Cascade Lake; AVX-VNNI: Intel since Alder Lake, Zen 5) differ
+# in the int8-activation matmul only: the float kernels run their AVX-512 or AVX2 code there
+# (FLOAT_CODE), so a test of a float kernel need not repeat them.
+ISAS = ("avx512vnni", "avx512", "avxvnni", "avx2", "base")
+FLOAT_CODE = {"avx512vnni": "avx512", "avx512": "avx512", "avxvnni": "avx2", "avx2": "avx2", "base": "base"}
 # Runs a lower variant than the CPU's best in this process (e.g. `avx2` or `base` on an AVX-512
 # machine), so the code an AVX2-only CPU runs can be tested anywhere.
 ISA_ENV = "ORCA_JAX_NATIVE_ISA"

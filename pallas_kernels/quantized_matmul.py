@@ -71,6 +71,13 @@ LANES = 16  # the native kernel's vector width, which fixes its summation order
 # 17-32 sequences dequantized every matrix through XLA, and 64 requests at 32 in flight (Q4_1, the
 # Zen 3, alternated twice) went 42.9 / 47.8 -> 70.0 / 73.5 tok/s.
 NATIVE_MAX_TOKENS = 32
+# With int8 activations the native kernel keeps ahead of XLA's path (which dequantizes the weights and
+# the activations, then dots) to larger calls: process CPU time of 3 SmolLM2 layers of Q4_1 on a loaded
+# Zen 4 (2026-12-05, bench/results/2026-12-05/): 128 rows 50.9 against 57.8 ms, 512 rows 200 against
+# 138. Prompt chunks of up to 128 tokens thus take the kernel's arithmetic too, and a row's result
+# does not depend on its batch up to there (int8 activations magnify the f32 rounding that differs
+# between the two paths into steps of the activations' quantization).
+INT8_NATIVE_MAX_TOKENS = 128
 # For f32 rows XLA's own dot is the other side: a 1-row dot runs on one thread near memory speed
 # already; at 2-8 rows the kernel's reading every row once on every thread wins (Intel Xeon,
 # 2026-12-01, 30 layers of SmolLM2's matrices, 4 x 4 AVX-512 tile: 4 rows 18.7-24.1 against
@@ -78,10 +85,16 @@ NATIVE_MAX_TOKENS = 32
 # 1.16-1.37x ahead, the AVX2 variant 0.87x and 1.08x of XLA in two runs, so 16-row calls stay XLA's.
 FLOAT_NATIVE_MAX_TOKENS = 8
 
-__all__ = ["BLOCK", "BLOCK_BYTES", "FLOAT_NATIVE_MAX_TOKENS", "FORMATS", "GGUF_FORMATS",
-           "NATIVE_MAX_TOKENS", "SUPER_BLOCK", "block_weights", "check_weights", "dequantize", "dequantize_reference",
-           "quantize_int8", "quantized_matmul", "quantized_matmul_native", "quantized_matmul_reference",
-           "quantized_matmul_xla", "row_size"]
+# How the matmul takes x: as it is, or quantized to int8 per row and 32-value block (llama.cpp's
+# method; int8_activations.py has the arithmetic and its numpy reference). Every format but f32 has it.
+ACTIVATIONS = ("float32", "int8")
+INT8_ACTIVATION_FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+
+__all__ = ["ACTIVATIONS", "BLOCK", "BLOCK_BYTES", "FLOAT_NATIVE_MAX_TOKENS", "FORMATS", "GGUF_FORMATS",
+           "INT8_ACTIVATION_FORMATS", "INT8_NATIVE_MAX_TOKENS", "NATIVE_MAX_TOKENS", "SUPER_BLOCK", "block_weights",
+           "check_weights", "dequantize", "dequantize_reference", "quantize_int8", "quantized_matmul",
+           "quantized_matmul_native", "quantized_matmul_reference", "quantized_matmul_xla", "random_blocks",
+           "row_size", "xla_activations"]
 
 
 def block_weights(format: str) -> int:
@@ -110,6 +123,15 @@ def check_weights(format: str, weights_shape: tuple[int, ...], in_features: int,
     if format == "int8" and (scales_shape is None or tuple(scales_shape) != (weights_shape[0],)):
         raise ValueError(f"quantized matmul: int8 weights need scales of shape ({weights_shape[0]},), "
                          f"got {scales_shape}")
+
+
+def check_activations(activations: str, format: str) -> None:
+    """Raises ValueError naming the fix for an unknown mode, or int8 activations with f32 rows."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"quantized matmul: activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    if activations == "int8" and format not in INT8_ACTIVATION_FORMATS:
+        raise ValueError(f"quantized matmul: int8 activations need quantized weights "
+                         f"({', '.join(INT8_ACTIVATION_FORMATS)}); {format!r} rows take activations='float32'")
 
 
 # ---- Q5_0, Q5_1 and the K-quants: one dequantization for numpy and jnp ----------------------------
@@ -255,6 +277,24 @@ def quantized_matmul_reference(x: np.ndarray, format: str, weights: np.ndarray,
     return out
 
 
+def random_blocks(format: str, rows: int, blocks: int, rng, scale: float | None = None) -> np.ndarray:
+    """GGUF rows [rows, blocks * block bytes] of random bytes with finite f16 d (and m or dmin), for
+    tests and benchmarks: scale None draws them normal (every bit of the scales, mins and high bits
+    set somewhere, which a quantizer may not do); a float draws them uniform in [0.5, 1.5] * scale
+    (small scales keep a chain of layers finite)."""
+    size = BLOCK_BYTES[format]
+    data = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    draw = rng.standard_normal((rows, blocks, 2)) if scale is None else rng.uniform(0.5, 1.5, (rows, blocks, 2)) * scale
+    halves = draw.astype(np.float16).view(np.uint8).reshape(rows, blocks, 4)
+    if format == "q6_k":
+        data[..., size - 2:] = halves[..., :2]  # d last
+    elif format in ("q4_0", "q8_0", "q5_0"):
+        data[..., :2] = halves[..., :2]
+    else:  # d, then m or dmin
+        data[..., :4] = halves
+    return data.reshape(rows, -1)
+
+
 def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-output-channel symmetric int8 of f32 weights [out, in]: scale = max |w| / 127 per row (a
     zero row gets scale 1 and zeros), q = round-half-even(w / scale). Returns (q int8, scales f32)."""
@@ -290,6 +330,16 @@ def dequantize(format: str, weights: jax.Array, scales: jax.Array | None = None)
     return w.reshape(rows, -1)
 
 
+def xla_activations(x: jax.Array) -> jax.Array:
+    """x [T, in] -> f32 d * q [T, in]: int8_activations.quantize_reference's rule in jnp, dequantized
+    (per 32-value block d = max |x| / 127, q = round-half-even(x * (1 / d))), for XLA's path."""
+    blocks = x.astype(jnp.float32).reshape(x.shape[0], -1, BLOCK)
+    d = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True) / jnp.float32(127)
+    inverse = jnp.where(d > 0, jnp.float32(1) / jnp.where(d > 0, d, 1), 0)
+    q = jnp.clip(jnp.round(blocks * inverse), -127, 127)  # jnp.round: half to even
+    return (q * d).reshape(x.shape)
+
+
 def quantized_matmul_xla(x: jax.Array, format: str, weights: jax.Array, scales: jax.Array | None = None) -> jax.Array:
     w = dequantize(format, weights, scales)
     # f32 rows are a float model's own matrices: their dot takes the model's matmul precision (the
@@ -301,33 +351,41 @@ def quantized_matmul_xla(x: jax.Array, format: str, weights: jax.Array, scales: 
 # ---- native (CPU) ---------------------------------------------------------------------------------
 
 def quantized_matmul_native(x: jax.Array, format: str, weights: jax.Array, scales: jax.Array | None = None,
-                            num_rows: jax.Array | int | None = None) -> jax.Array:
+                            num_rows: jax.Array | int | None = None, activations: str = "float32") -> jax.Array:
     """The C++ kernel; raises NativeUnavailable unless pallas_kernels.native's library is loaded.
-    Rows of x from `num_rows` on (a traced or static count; None: all) are skipped and come out zero."""
+    Rows of x from `num_rows` on (a traced or static count; None: all) are skipped and come out zero.
+    `activations`: "float32" multiplies x as it is, "int8" quantizes it first (int8_activations.py)."""
     from pallas_kernels import native
 
     native._require_loaded()
     if format not in FORMATS:
         raise ValueError(f"the native kernel has no {format!r} format; it knows {', '.join(FORMATS)}")
+    check_activations(activations, format)
     call = jax.ffi.ffi_call(native.MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], weights.shape[0]), jnp.float32))
     scales = jnp.zeros((0,), jnp.float32) if scales is None else scales.astype(jnp.float32)
     rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32).reshape(())
-    return call(x.astype(jnp.float32), weights, scales, rows, format=np.int32(FORMATS.index(format)))
+    return call(x.astype(jnp.float32), weights, scales, rows, format=np.int32(FORMATS.index(format)),
+                int8_activations=np.int32(activations == "int8"))
 
 
-@functools.partial(jax.jit, static_argnames=("format", "cpu_native", "native_max_tokens"))
+@functools.partial(jax.jit, static_argnames=("format", "cpu_native", "native_max_tokens", "activations"))
 def quantized_matmul(x: jax.Array, format: str, weights: jax.Array, scales: jax.Array | None = None,
                      num_rows: jax.Array | None = None, *, cpu_native: bool = True,
-                     native_max_tokens: int = NATIVE_MAX_TOKENS) -> jax.Array:
+                     native_max_tokens: int = NATIVE_MAX_TOKENS, activations: str = "float32") -> jax.Array:
     """x [T, in] (any float dtype) -> f32 [T, out]. On CPU the native kernel when `cpu_native` (the
     caller checked the library loaded) and T <= native_max_tokens, on every other platform and for
     larger T XLA's dequantize-then-dot: both lowerings are in the program, so one jitted function
     serves CPU and GPU (and lowers for CUDA on a CPU machine). `num_rows`: how many leading rows of x
     are real (a step's tokens before its bucket's padding); the native kernel computes only those and
-    gives zeros after them, XLA's dot computes every row. Real rows are the same either way."""
+    gives zeros after them, XLA's dot computes every row. Real rows are the same either way.
+    `activations="int8"`: x quantized per row and 32-value block first (int8_activations.py), on
+    either path; the native kernel's integer products and XLA's dot of the dequantized x agree to f32
+    rounding."""
     check_weights(format, weights.shape, x.shape[-1], None if scales is None else scales.shape)
-    xla = lambda: quantized_matmul_xla(x, format, weights, scales)  # noqa: E731
+    check_activations(activations, format)
+    xla_x = xla_activations(x) if activations == "int8" else x
+    xla = lambda: quantized_matmul_xla(xla_x, format, weights, scales)  # noqa: E731
     if not cpu_native or x.shape[0] > native_max_tokens:
         return xla()
-    return jax.lax.platform_dependent(cpu=lambda: quantized_matmul_native(x, format, weights, scales, num_rows),
-                                      default=xla)
+    native_call = lambda: quantized_matmul_native(x, format, weights, scales, num_rows, activations)  # noqa: E731
+    return jax.lax.platform_dependent(cpu=native_call, default=xla)

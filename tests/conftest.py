@@ -327,20 +327,22 @@ def quantized_smollm2(smollm2, quantization):
 
 @pytest.fixture(scope="session")
 def smollm2_gguf(smollm2):
-    """SmolLM2 serving its GGUF's own blocks (Q4_1 projections, Q8_0 embedding and tied head)."""
+    """SmolLM2 serving its GGUF's own blocks (Q4_1 projections, Q8_0 embedding and tied head), with
+    int8 activations (the engine's default)."""
     return quantized_smollm2(smollm2, "gguf")
 
 
 @pytest.fixture(scope="session")
 def smollm2_int8(smollm2):
-    """SmolLM2's float32 weights quantized to int8 per output channel."""
+    """SmolLM2's float32 weights quantized to int8 per output channel (float32 activations, the
+    engine's default for int8 weights)."""
     return quantized_smollm2(smollm2, "int8")
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf_runner(smollm2_gguf):
-    # A 16-token bucket: decode steps (<= 8 sequences) run the native kernel, prefills in the 128-token
-    # one XLA's dequantize-then-dot (quantized_matmul.NATIVE_MAX_TOKENS).
+    # A 16-token bucket for decode steps and a 128-token one for prefills: with int8 activations (the
+    # default for gguf) both run the native kernel (quantized_matmul.INT8_NATIVE_MAX_TOKENS).
     return warm_smollm2_runner(smollm2_gguf, token_buckets=(16, 128))
 
 

@@ -10,6 +10,7 @@ kernel) is a new model (relayout.py).
   row once on every thread: faster for a decode step's few rows; calls of more rows take XLA's
   dot over the same rows.
 - Int8Linear: int8 rows [out, in] with one float32 scale per row (per output channel, symmetric).
+  It and GGUFBlockLinear take their inputs as float32 or quantized to int8 (`activations`).
 - GGUFBlockLinear: a GGUF tensor's blocks as the file stores them, [out, in / block weights *
   block bytes]; one block type per entry of GGUF_BLOCK_TYPES.
 
@@ -123,6 +124,9 @@ class RowsLinear(LinearMethod):
     native_max_tokens: int
     row_dtype: jnp.dtype  # of the rows' elements
     scaled = False  # the rows come with a float32 scale each
+    # How the matmul takes x (quantized_matmul's `activations`): float32 rows take it as it is; the
+    # quantized methods have a field, "int8" (quantized per row and 32 values) or "float32".
+    activations = "float32"
 
     def fits(self, in_features: int) -> bool:
         """Whether the kernel takes rows of `in_features` weights (whole blocks)."""
@@ -142,7 +146,7 @@ class RowsLinear(LinearMethod):
     def matmul(self, x: jax.Array, rows: jax.Array, scales: jax.Array | None, num_rows) -> jax.Array:
         """x [T, in] -> float32 [T, out]."""
         return quantized_matmul(x, self.format, rows, scales, num_rows, cpu_native=self.cpu_native,
-                                native_max_tokens=self.native_max_tokens)
+                                native_max_tokens=self.native_max_tokens, activations=self.activations)
 
     def dense(self, x, kernel, scales, num_in_axes, out_shape, num_rows):
         lead = x.shape[:x.ndim - num_in_axes]
@@ -189,6 +193,7 @@ class Int8Linear(RowsLinear):
 
     cpu_native: bool
     native_max_tokens: int = NATIVE_MAX_TOKENS
+    activations: str = "float32"
     format = "int8"
     row_dtype = jnp.int8
     scaled = True
@@ -202,6 +207,7 @@ class GGUFBlockLinear(RowsLinear):
     block_type: str
     cpu_native: bool
     native_max_tokens: int = NATIVE_MAX_TOKENS
+    activations: str = "float32"
     row_dtype = jnp.uint8
 
     def __post_init__(self):

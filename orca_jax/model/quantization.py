@@ -12,6 +12,10 @@ linear methods (linear.py) for its matrices, whose matmuls read the quantized ro
 - `int8`: every float matrix quantized at load per output channel (one scale per output row: the
   embedding's rows are the tied head's outputs), symmetric, round-half-even: Int8Linear.
 
+Either way the matrices take their inputs quantized to int8 per row and 32 values (llama.cpp's
+method; the default for gguf) or as float32 (the default for int8 weights): `activations`, the
+engine's `quantization_activations`.
+
 Norms, biases and activations stay in the model's dtype; the float model (`none`) remains the
 reference the quantized ones are measured against. Quantized matrices are not split over devices:
 EngineConfig refuses tensor_parallel_size > 1 with a quantization.
@@ -29,14 +33,15 @@ import numpy as np
 from flax import nnx
 
 from orca_jax.checkpoint.store import flatten_params, restore_params
-from orca_jax.config import ConfigError
+from orca_jax.config import ConfigError, activations_for
 from orca_jax.model.backends import native_matmuls
 from orca_jax.model.decoder import Decoder
 from orca_jax.model.layers import Dense, Embed
 from orca_jax.model.linear import GGUF_BLOCK_TYPES, GGUFBlockLinear, Int8Linear, LinearMethod, RowsLinear
 from orca_jax.model.relayout import array_at, matrices, relayout
 from orca_jax.optional import import_optional
-from pallas_kernels.quantized_matmul import BLOCK, NATIVE_MAX_TOKENS, check_weights, quantize_int8
+from pallas_kernels.quantized_matmul import (ACTIVATIONS, BLOCK, INT8_NATIVE_MAX_TOKENS, NATIVE_MAX_TOKENS, check_weights,
+                                             quantize_int8)
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +53,12 @@ class QuantizationReport:
     kept: dict[str, int]  # format -> matrices served quantized
     float_matrices: list[str]  # matrices left in the float dtype (no kernel for their type or shape)
     quantized_bytes: int
+    activations: str = "float32"  # how the quantized matrices take their inputs
     dequantized_types: set[str] = dataclasses.field(default_factory=set)  # GGUF types left in float
 
     def one_line(self) -> str:
         kept = ", ".join(f"{n} {fmt}" for fmt, n in sorted(self.kept.items()))
-        line = f"quantized matrices: {kept} ({self.quantized_bytes / 2**20:.0f} MiB)"
+        line = f"quantized matrices: {kept} ({self.quantized_bytes / 2**20:.0f} MiB), {self.activations} activations"
         if self.float_matrices:
             types = f" ({', '.join(sorted(self.dequantized_types))} dequantized)" if self.dequantized_types else ""
             line += f"; {len(self.float_matrices)} left in float{types}"
@@ -77,14 +83,22 @@ class _Quantized:
         self.report.quantized_bytes += rows.nbytes + (0 if scales is None else scales.nbytes)
 
 
-def quantize_decoder(model: Decoder, quantization: str, checkpoint_dir: Path,
-                     native_max_tokens: int = NATIVE_MAX_TOKENS) -> tuple[Decoder, QuantizationReport]:
+def quantize_decoder(model: Decoder, quantization: str, checkpoint_dir: Path, native_max_tokens: int | None = None,
+                     activations: str = "auto") -> tuple[Decoder, QuantizationReport]:
     """A new decoder, `model`'s with its matrices quantized (the given one is left as it is).
     `model` holds its arrays (load_model) or only their shapes (open_model, as the engine loads):
     then the float parameters are read from the checkpoint as they are needed, so a GGUF's matrices
     are never read as floats and int8 holds one layer's float matrices at a time.
-    `native_max_tokens`: the most rows a call sends to the native kernel on CPU (tests raise it)."""
-    quantized = _Quantized(QuantizationReport({}, [], 0))
+    `native_max_tokens`: the most rows a call sends to the native kernel on CPU (None: the kernel's
+    measured crossover with XLA for the activations, NATIVE_MAX_TOKENS or INT8_NATIVE_MAX_TOKENS).
+    `activations`: how the quantized matrices take their inputs, "int8" or "float32"
+    (pallas_kernels/int8_activations.py); "auto" as the engine's default (config.activations_for)."""
+    activations = activations_for(activations, quantization)
+    if activations not in ACTIVATIONS:
+        raise ConfigError(f"quantize_decoder: activations must be auto, {' or '.join(ACTIVATIONS)}, got {activations!r}")
+    if native_max_tokens is None:
+        native_max_tokens = INT8_NATIVE_MAX_TOKENS if activations == "int8" else NATIVE_MAX_TOKENS
+    quantized = _Quantized(QuantizationReport({}, [], 0, activations=activations))
     floats = FloatParams(model, Path(checkpoint_dir))
     cpu_native = native_matmuls()
     if quantization == "gguf":
@@ -92,9 +106,9 @@ def quantize_decoder(model: Decoder, quantization: str, checkpoint_dir: Path,
         from orca_jax.checkpoint.gguf_import import GGUF_FILE
 
         _serve_gguf_blocks(model, Path(checkpoint_dir) / GGUF_FILE, quantized,
-                           lambda block_type: GGUFBlockLinear(block_type, cpu_native, native_max_tokens))
+                           lambda block_type: GGUFBlockLinear(block_type, cpu_native, native_max_tokens, activations))
     elif quantization == "int8":
-        method = Int8Linear(cpu_native, native_max_tokens)
+        method = Int8Linear(cpu_native, native_max_tokens, activations)
         by_layer: dict[str, dict[str, tuple[str, Dense | Embed]]] = {}  # "blk.3" or "token_embd" -> its matrices
         for name, matrix in _matrices(model).items():
             by_layer.setdefault(name.rsplit(".", 2)[0] if name.startswith("blk.") else name, {})[name] = matrix

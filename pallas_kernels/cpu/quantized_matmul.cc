@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "parallel_for.h"
+#include "quantized_matmul.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -47,82 +48,18 @@
 namespace ffi = xla::ffi;
 
 // The instruction-set variant every native kernel runs (defined beside the attention kernel):
-// 0 AVX-512, 1 AVX2, 2 baseline, as in pallas_kernels/native.py's ISAS.
+// 0 AVX-512 VNNI, 1 AVX-512, 2 AVX-VNNI, 3 AVX2, 4 baseline, as in pallas_kernels/native.py's ISAS.
+// The float kernels' arithmetic gains nothing from VNNI: they run their AVX-512 or AVX2 code there.
 extern "C" int OrcaNativeIsa();
 
 namespace {
 
-constexpr int kLanes = 16;
-constexpr int kBlock = 32;    // weights per block: two vectors
+using namespace orca_qmm;
+
 constexpr int kRowsPerItem = 32;  // work item: output rows one thread takes at a time
 // 32-weight blocks a tile's loop takes at a time (their scales converted first: on AVX2, and for the
 // K-quants everywhere); a multiple of 4 and of a K-quant super-block's 8.
 constexpr int64_t kScaleChunk = 32;
-
-using vf = float __attribute__((vector_size(4 * kLanes)));
-using vi = int32_t __attribute__((vector_size(4 * kLanes)));
-using vb = uint8_t __attribute__((vector_size(kLanes)));
-using vsb = int8_t __attribute__((vector_size(kLanes)));
-
-// Numbered as FORMATS in pallas_kernels/quantized_matmul.py. kF32 is not quantized: a float model's
-// matrix as f32 rows [out, in] (its kernel transposed), read as they are.
-enum class Format : int {
-  kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kInt8 = 3, kF32 = 4, kQ5_0 = 5, kQ5_1 = 6, kQ4_K = 7, kQ5_K = 8, kQ6_K = 9
-};
-constexpr int kNumFormats = 10;
-
-constexpr bool is_k_quant(Format f) { return f == Format::kQ4_K || f == Format::kQ5_K || f == Format::kQ6_K; }
-// 32-weight blocks in one stored block: a K-quant super-block holds 8 (256 weights).
-constexpr int64_t sub_blocks(Format f) { return is_k_quant(f) ? 8 : 1; }
-
-constexpr int64_t block_bytes(Format f) {
-  switch (f) {
-    case Format::kQ4_0: return 18;
-    case Format::kQ4_1: return 20;
-    case Format::kQ8_0: return 34;
-    case Format::kQ5_0: return 22;
-    case Format::kQ5_1: return 24;
-    case Format::kQ4_K: return 144;
-    case Format::kQ5_K: return 176;
-    case Format::kQ6_K: return 210;
-    case Format::kInt8: return kBlock;
-    default: return 4 * kBlock;
-  }
-}
-
-// IEEE half to float, exact for every value (normal, subnormal, zero, inf, NaN): a normal half's
-// exponent is rebiased by a multiply by 2^-112; a subnormal one is built as (1 + m / 2^10) * 2^-14
-// minus 2^-14, exact in f32.
-inline float half_to_float(uint16_t h) {
-  const uint32_t w = static_cast<uint32_t>(h) << 16, sign = w & 0x80000000u, two_w = w + w;
-  auto from_bits = [](uint32_t bits) {
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-  };
-  auto to_bits = [](float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof bits);
-    return bits;
-  };
-  const float normalized = from_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-  const float denormalized = from_bits((two_w >> 17) | (126u << 23)) - 0.5f;
-  return from_bits(sign | (two_w < (1u << 27) ? to_bits(denormalized) : to_bits(normalized)));
-}
-
-inline uint16_t load_u16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-struct Problem {
-  const float* x;       // [T, in]
-  const uint8_t* w;     // [out, row_bytes] (f32 rows for kF32)
-  const float* scales;  // [out] (int8 only)
-  float* out;           // [T, out]
-  int64_t tokens, in, out_features, row_bytes, blocks;  // blocks: of 32 weights (8 per K-quant super-block)
-};
 
 // The kernel, once per instruction set (see quantized_matmul_kernel.inc).
 #define ORCA_KERNEL_FILE "quantized_matmul_kernel.inc"
@@ -131,13 +68,13 @@ struct Problem {
 
 using ItemFn = void (*)(const Problem&, int64_t, int64_t);
 
-// The variant the native library runs (numbered as OrcaNativeIsa: 0 AVX-512, 1 AVX2, 2 baseline).
+// The variant the native library runs (numbered as OrcaNativeIsa).
 template <Format F>
 ItemFn pick_isa() {
 #if defined(__x86_64__)
   const int isa = OrcaNativeIsa();
-  if (isa == 0) return avx512::item<F>;
-  if (isa == 1) return avx2::item<F>;
+  if (isa <= 1) return avx512::item<F>;
+  if (isa <= 3) return avx2::item<F>;
 #endif
   return base::item<F>;
 }
@@ -159,7 +96,7 @@ ItemFn pick(Format f) {
 
 ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                            ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> num_rows,
-                           ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t format) {
+                           ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t format, int32_t int8_activations) {
   // Shapes are validated in Python (the wrapper names the argument); these checks keep a direct
   // caller from reading out of bounds.
   if (format < 0 || format >= kNumFormats) return ffi::Error::InvalidArgument("quantized_matmul_native: unknown format");
@@ -192,6 +129,11 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   std::fill(p.out + rows * p.out_features, p.out + p.tokens * p.out_features, 0.0f);
   p.tokens = rows;
   if (p.tokens == 0 || p.out_features == 0) return ffi::Error::Success();
+  if (int8_activations) {
+    if (f32) return ffi::Error::InvalidArgument("quantized_matmul_native: int8 activations need quantized weights, not f32 rows");
+    int8_activations_matmul(pool, p, f, OrcaNativeIsa());
+    return ffi::Error::Success();
+  }
   const ItemFn run = pick(f);
   const int64_t items = (p.out_features + kRowsPerItem - 1) / kRowsPerItem;
   orca_native::parallel_for(pool, items, [&](int64_t i) {
@@ -212,4 +154,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OrcaQuantizedMatmul, QuantizedMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [out] (int8) or [0]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_rows []: rows of x to compute
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, out]
-                                  .Attr<int32_t>("format"));
+                                  .Attr<int32_t>("format")
+                                  .Attr<int32_t>("int8_activations"));  // 1: x quantized (quantized_matmul_int8.cc)

@@ -35,6 +35,7 @@
 #include <vector>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -97,22 +98,31 @@ inline float bf16_to_f32(uint16_t h) {
 
 using ItemFn = void (*)(const Problem&, const Item&);
 
-// The order is the one OrcaNativeIsa / OrcaNativeSelectIsa use (pallas_kernels/native.py, ISAS).
-enum class Isa : int { kAvx512 = 0, kAvx2 = 1, kBase = 2 };
+// The order is the one OrcaNativeIsa / OrcaNativeSelectIsa use (pallas_kernels/native.py, ISAS). The
+// VNNI variants matter to the int8-activation matmul (quantized_matmul_int8.cc); the float kernels
+// run their AVX-512 or AVX2 code there.
+enum class Isa : int { kAvx512Vnni = 0, kAvx512 = 1, kAvxVnni = 2, kAvx2 = 3, kBase = 4 };
+constexpr int kNumIsas = 5;
 
 bool cpu_has([[maybe_unused]] Isa isa) {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  if (isa == Isa::kAvx512)
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
-  if (isa == Isa::kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == Isa::kAvx512Vnni) return avx512 && __builtin_cpu_supports("avx512vnni");
+  if (isa == Isa::kAvx512) return avx512;
+  if (isa == Isa::kAvxVnni) {  // CPUID.(7, 1):EAX bit 4 (GCC 11's __builtin_cpu_supports may not know it)
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return avx2 && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax >> 4 & 1);
+  }
+  if (isa == Isa::kAvx2) return avx2;
 #endif
   return isa == Isa::kBase;
 }
 
 Isa best_isa() {
-  for (Isa isa : {Isa::kAvx512, Isa::kAvx2}) {
+  for (Isa isa : {Isa::kAvx512Vnni, Isa::kAvx512, Isa::kAvxVnni, Isa::kAvx2}) {
     if (cpu_has(isa)) return isa;
   }
   return Isa::kBase;
@@ -126,8 +136,8 @@ template <typename KVT, int NV>
 ItemFn pick_isa() {
 #if defined(__x86_64__)
   const Isa isa = g_isa.load(std::memory_order_relaxed);
-  if (isa == Isa::kAvx512) return avx512::item<KVT, NV>;
-  if (isa == Isa::kAvx2) return avx2::item<KVT, NV>;
+  if (isa == Isa::kAvx512Vnni || isa == Isa::kAvx512) return avx512::item<KVT, NV>;
+  if (isa == Isa::kAvxVnni || isa == Isa::kAvx2) return avx2::item<KVT, NV>;
 #endif
   return base::item<KVT, NV>;
 }
@@ -280,7 +290,7 @@ extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* OrcaWriteKV(XLA
 extern "C" __attribute__((visibility("default"))) int OrcaNativeIsa() { return static_cast<int>(g_isa.load()); }
 extern "C" __attribute__((visibility("default"))) int64_t OrcaNativeKeysRead() { return g_keys_read.load(); }
 extern "C" __attribute__((visibility("default"))) int OrcaNativeCpuHas(int isa) {
-  return isa >= 0 && isa <= 2 && cpu_has(static_cast<Isa>(isa));
+  return isa >= 0 && isa < kNumIsas && cpu_has(static_cast<Isa>(isa));
 }
 extern "C" __attribute__((visibility("default"))) int OrcaNativeSelectIsa(int isa) {
   if (!OrcaNativeCpuHas(isa)) return 0;

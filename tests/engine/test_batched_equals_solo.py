@@ -94,8 +94,9 @@ CASES = [
     # float32 activations, bfloat16 KV pages.
     Case("smollm2-bf16-pages", "smollm2_bf16_kv_runner", "smollm2", SMOLLM2_LIMITS, ("prompts-short",), ("chunked",),
          Tolerance(BFLOAT16_PAGES_MAX_DRIFT, near_ties=True)),
-    # Quantized: the native matmul sums each output in a fixed order whatever the batch; `int8`, the
-    # same kernel and engine path with another block format, under the default policy only.
+    # Quantized: the native matmul sums each output in a fixed order whatever the batch. `gguf` takes
+    # int8 activations (its default; the native kernel takes the prefills too), `int8` weights float32
+    # ones (the same engine path, the float kernel), under the default policy only.
     Case("smollm2-gguf", "smollm2_gguf_runner", "smollm2_gguf", SMOLLM2_LIMITS, ("prompts-short",)),
     Case("smollm2-int8", "smollm2_int8_runner", "smollm2_int8", SMOLLM2_LIMITS, ("prompts-short",), ("chunked",)),
 ]

@@ -114,7 +114,9 @@ IDS = [0, 5, 80, 259, 3, 260, 100, 17, 42, 200, 7, 7, 7, 150, 2, 1]
 
 def test_each_tensor_keeps_its_own_block_type_and_gives_the_float_models_logits(kquant_checkpoint):
     loaded = load_model(kquant_checkpoint)
-    model, report = quantize_decoder(loaded.model, "gguf", kquant_checkpoint)
+    # float32 activations: the blocks dequantized exactly, so the float model's logits to rounding
+    # (int8 activations, the default, are held to the kernel's reference in tests/pallas_kernels).
+    model, report = quantize_decoder(loaded.model, "gguf", kquant_checkpoint, activations="float32")
     tensors = {t.name: t for t in gguf.GGUFReader(str(kquant_checkpoint / GGUF_FILE)).tensors}
     layers = model.layers
     assert model.embed.method.format == "q6_k"  # also the tied LM head
@@ -179,14 +181,15 @@ def test_served_with_quantization_gguf_gives_the_float_models_greedy_tokens(kqua
     prompts = ["a the 42", "the the"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     answers = {}
-    for quantization in ("none", "gguf"):
+    for quantization in ("none", "gguf"):  # gguf with float32 activations: exact dequantizing
         llm = LLM(kquant_checkpoint, quantization=quantization, max_num_seqs=2, max_num_batched_tokens=32,
-                  token_buckets=[32], seq_buckets=[2], kv_cache_memory=1 << 22, max_model_len=128)
+                  token_buckets=[32], seq_buckets=[2], kv_cache_memory=1 << 22, max_model_len=128,
+                  quantization_activations="float32")
         answers[quantization] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert answers["gguf"] == answers["none"]
     assert all(len(tokens) == 12 for tokens in answers["gguf"])
     line = next(line for line in capfd.readouterr().err.splitlines() if "--quantization gguf" in line)
-    assert "1 q4_0" in line and "5 q4_k" in line and "4 q6_k" in line, line
+    assert "1 q4_0" in line and "5 q4_k" in line and "4 q6_k" in line and "float32 activations" in line, line
 
 
 def test_a_type_without_a_kernel_is_dequantized_at_load_in_one_line(tmp_path, caplog):
@@ -195,8 +198,8 @@ def test_a_type_without_a_kernel_is_dequantized_at_load_in_one_line(tmp_path, ca
     q2 = lambda name: T.Q2_K if name in ("blk.0.ffn_up.weight", "blk.1.ffn_gate.weight") else tensor_type(name)  # noqa: E731
     checkpoint = convert(write_typed_gguf(tmp_path / "q2.gguf", config, float_model, type_of=q2), "q2", tmp_path / "c")
     loaded = load_model(checkpoint)
-    with caplog.at_level(logging.WARNING, logger="orca_jax.model.quantization"):
-        model, report = quantize_decoder(loaded.model, "gguf", checkpoint)
+    with caplog.at_level(logging.WARNING, logger="orca_jax.model.quantization"):  # (float32: exact, as above)
+        model, report = quantize_decoder(loaded.model, "gguf", checkpoint, activations="float32")
     lines = [r.getMessage() for r in caplog.records if "Q2_K" in r.getMessage()]
     assert len(lines) == 1 and "blk.0.ffn_up.weight, blk.1.ffn_gate.weight" in lines[0], lines
     assert report.dequantized_types == {"Q2_K"} and len(report.float_matrices) == 2

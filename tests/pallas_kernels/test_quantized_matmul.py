@@ -19,6 +19,7 @@ from pallas_kernels import native
 from pallas_kernels import quantized_matmul as qm
 
 from ..conftest import require_native
+from .test_native_isa import float_variants
 from ..kquants import QUANTIZERS, quantize_k
 
 GGUF_TYPES = {format: gguf.GGMLQuantizationType[format.upper()] for format in qm.GGUF_FORMATS}
@@ -31,21 +32,6 @@ SHAPES = [(1, 576, 192), (2, 1536, 130), (3, 576, 577), (5, 576, 130), (17, 1536
 def shapes(format: str) -> list[tuple[int, int, int]]:
     """SHAPES, with in = 768 for 576 where the format's blocks are K-quant super-blocks of 256."""
     return [(t, inner if inner % qm.block_weights(format) == 0 else 768, out) for t, inner, out in SHAPES]
-
-
-def random_blocks(format: str, rows: int, blocks: int, rng) -> np.ndarray:
-    """GGUF rows [rows, blocks * block bytes] of random bytes with finite f16 d (and m or dmin): every
-    bit of the scales, mins and high bits set somewhere (a quantizer leaves some at zero)."""
-    size = qm.BLOCK_BYTES[format]
-    data = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
-    halves = rng.standard_normal((rows, blocks, 2)).astype(np.float16).view(np.uint8).reshape(rows, blocks, 4)
-    if format == "q6_k":
-        data[..., size - 2:] = halves[..., :2]  # d last
-    elif format in ("q4_0", "q8_0", "q5_0"):
-        data[..., :2] = halves[..., :2]
-    else:  # d, then m or dmin
-        data[..., :4] = halves
-    return data.reshape(rows, -1)
 
 
 def quantized(format: str, w: np.ndarray):
@@ -76,7 +62,7 @@ def test_every_variant_equals_the_reference_bit_for_bit(restore_isa, format):
         weights, scales = quantized(format, rng.standard_normal((out, inner)).astype(np.float32))
         x = rng.standard_normal((tokens, inner)).astype(np.float32)
         want = qm.quantized_matmul_reference(x, format, weights, scales)
-        for isa in native.supported_isas():
+        for isa in float_variants():
             native.select_isa(isa)
             got = np.asarray(native_matmul(x, format, weights, scales))
             np.testing.assert_array_equal(got, want, err_msg=f"{format} {isa} T={tokens} in={inner} out={out}")
@@ -88,12 +74,12 @@ def test_every_variant_reads_random_blocks_as_the_reference(restore_isa, format)
     blocks may not do), one token and a buffered call of several, every variant bit for bit."""
     rng = np.random.default_rng(100 + qm.FORMATS.index(format))
     inner = 1536
-    weights = random_blocks(format, 67, inner // qm.block_weights(format), rng)
+    weights = qm.random_blocks(format, 67, inner // qm.block_weights(format), rng)
     for tokens in (1, 3, 9):
         x = rng.standard_normal((tokens, inner)).astype(np.float32)
         want = qm.quantized_matmul_reference(x, format, weights)
         assert np.isfinite(want).all()
-        for isa in native.supported_isas():
+        for isa in float_variants():
             native.select_isa(isa)
             got = np.asarray(native_matmul(x, format, weights, None))
             np.testing.assert_array_equal(got, want, err_msg=f"{format} {isa} T={tokens}")
@@ -118,7 +104,7 @@ def test_rows_past_num_rows_are_skipped_as_padding(restore_isa, format):
     x = rng.standard_normal((8, 576)).astype(np.float32)
     full = qm.quantized_matmul_reference(x, format, weights, scales)
     program = jax.jit(lambda x, w, n: qm.quantized_matmul(x, format, w, None, n))
-    for isa in native.supported_isas():
+    for isa in float_variants():
         native.select_isa(isa)
         for rows in (0, 1, 5, 8):
             got = np.asarray(program(x, weights, np.int32(rows)))
@@ -190,7 +176,7 @@ def test_blocks_dequantize_exactly_as_gguf_does(format):
 def test_random_blocks_dequantize_exactly_as_gguf_does(format):
     """Every bit of the scales, mins and high bits set somewhere (a quantizer leaves some at zero):
     random bytes with finite f16 d (and dmin)."""
-    weights = random_blocks(format, 16, 3, np.random.default_rng(4))
+    weights = qm.random_blocks(format, 16, 3, np.random.default_rng(4))
     want = gguf.quants.dequantize(weights, GGUF_TYPES[format])
     assert np.isfinite(want).all()
     np.testing.assert_array_equal(qm.dequantize_reference(format, weights), want)

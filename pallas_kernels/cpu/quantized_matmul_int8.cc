@@ -1,0 +1,146 @@
+// The quantized matmul with int8 activations (llama.cpp's method), called by quantized_matmul.cc's
+// handler when its `int8_activations` attribute is set: x's rows are quantized to 8 bits per
+// 32-value block, then multiplied by the weights' integers with integer dot products and scaled in
+// f32. pallas_kernels/int8_activations.py states the arithmetic and replays it in numpy; this code
+// must equal it bit for bit, in every variant: the integer lanes are exact, and the float operations
+// (each written out, nothing fused but the fused multiply-adds written) are the same in every variant.
+
+#pragma GCC optimize("fp-contract=off")
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "parallel_for.h"
+#include "quantized_matmul.h"
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace orca_qmm {
+namespace {
+
+constexpr int kRowsPerItem = 32;  // work item: output rows one thread takes at a time
+
+// x quantized, per token and pair of blocks (blocks 2p and 2p + 1), in lane order: lane 8h + 4e + k
+// covers weights 16h + 4k .. + 3 of block 2p + e. An odd count's last pair has a zero second block.
+struct Activations {
+  int64_t pairs = 0, groups = 0;  // groups: of 16 blocks (the minimums' unit)
+  std::vector<int8_t> q;           // [T, pairs, 64]: byte 4 lane + i = q_x of the lane's weight i
+  std::vector<int32_t> init;       // [T, pairs, 16]: -offset * (sum of the lane's 4 q_x), where lanes start
+  std::vector<float> d;            // [T, pairs, 16]: the lane's block's d_x
+  std::vector<float> block_sums;   // [T, groups * 16]: f32(float(sum of the block's 32 q_x) * d_x), zeros after the last
+};
+
+int32_t q_offset(Format f) {
+  return f == Format::kQ4_0 ? 8 : f == Format::kQ5_0 ? 16 : f == Format::kQ6_K ? 32 : 0;
+}
+
+}  // namespace
+
+// The kernel, once per instruction set, numbered as pallas_kernels/native.py's ISAS.
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c,prefer-vector-width=512")
+namespace avx512vnni {
+#define ORCA_Q8_ISA 0
+#include "quantized_matmul_int8_kernel.inc"
+#undef ORCA_Q8_ISA
+}  // namespace avx512vnni
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c,prefer-vector-width=512")
+namespace avx512 {
+#define ORCA_Q8_ISA 1
+#include "quantized_matmul_int8_kernel.inc"
+#undef ORCA_Q8_ISA
+}  // namespace avx512
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avxvnni,avx2,fma,f16c")
+namespace avxvnni {
+#define ORCA_Q8_ISA 2
+#include "quantized_matmul_int8_kernel.inc"
+#undef ORCA_Q8_ISA
+}  // namespace avxvnni
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+#define ORCA_Q8_ISA 3
+#include "quantized_matmul_int8_kernel.inc"
+#undef ORCA_Q8_ISA
+}  // namespace avx2
+#pragma GCC pop_options
+#endif
+namespace base {
+#define ORCA_Q8_ISA 4
+#include "quantized_matmul_int8_kernel.inc"
+#undef ORCA_Q8_ISA
+}  // namespace base
+
+namespace {
+
+using ItemFn = void (*)(const Problem&, const Activations&, int64_t, int64_t);
+using QuantizeFn = void (*)(const Problem&, int64_t, int32_t, Activations&);
+
+QuantizeFn pick_quantize(int isa) {
+#if defined(__x86_64__)
+  if (isa <= 1) return avx512::quantize_row;
+  if (isa <= 3) return avx2::quantize_row;
+#endif
+  return base::quantize_row;
+}
+
+template <Format F>
+ItemFn pick_isa(int isa) {
+#if defined(__x86_64__)
+  switch (isa) {
+    case 0: return avx512vnni::item<F>;
+    case 1: return avx512::item<F>;
+    case 2: return avxvnni::item<F>;
+    case 3: return avx2::item<F>;
+    default: break;
+  }
+#endif
+  return base::item<F>;
+}
+
+ItemFn pick(Format f, int isa) {
+  switch (f) {
+    case Format::kQ4_0: return pick_isa<Format::kQ4_0>(isa);
+    case Format::kQ4_1: return pick_isa<Format::kQ4_1>(isa);
+    case Format::kQ8_0: return pick_isa<Format::kQ8_0>(isa);
+    case Format::kQ5_0: return pick_isa<Format::kQ5_0>(isa);
+    case Format::kQ5_1: return pick_isa<Format::kQ5_1>(isa);
+    case Format::kQ4_K: return pick_isa<Format::kQ4_K>(isa);
+    case Format::kQ5_K: return pick_isa<Format::kQ5_K>(isa);
+    case Format::kQ6_K: return pick_isa<Format::kQ6_K>(isa);
+    default: return pick_isa<Format::kInt8>(isa);
+  }
+}
+
+}  // namespace
+
+void int8_activations_matmul(xla::ffi::ThreadPool& pool, const Problem& p, Format f, int isa) {
+  Activations a;
+  a.pairs = (p.blocks + 1) / 2;
+  const size_t lanes = static_cast<size_t>(p.tokens * a.pairs * kLanes);
+  a.q.assign(4 * lanes, 0);
+  a.init.assign(lanes, 0);
+  a.d.assign(lanes, 0.0f);
+  a.groups = (p.blocks + 15) / 16;
+  a.block_sums.assign(static_cast<size_t>(p.tokens * a.groups * kLanes), 0.0f);
+  // A few KB per token: quantized on the calling thread, before the rows are shared out.
+  const QuantizeFn quantize = pick_quantize(isa);
+  for (int64_t t = 0; t < p.tokens; ++t) quantize(p, t, q_offset(f), a);
+  const ItemFn run = pick(f, isa);
+  const int64_t items = (p.out_features + kRowsPerItem - 1) / kRowsPerItem;
+  orca_native::parallel_for(pool, items, [&](int64_t i) {
+    run(p, a, i * kRowsPerItem, std::min<int64_t>((i + 1) * kRowsPerItem, p.out_features));
+  });
+}
+
+}  // namespace orca_qmm
