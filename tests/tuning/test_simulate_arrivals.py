@@ -20,6 +20,18 @@ VOCAB = 1000
 MODEL = dataclasses.replace(load_model_preset("tiny"), vocab_size=VOCAB, eos_token_id=None, max_position=4096)
 
 
+def add_arrived(engine, lengths, arrivals, added: int, now: float, rng: random.Random) -> int:
+    """Adds the requests that have arrived by `now` (random prompts of their lengths, greedy, exactly
+    their max_tokens); returns how many have been added in all."""
+    while added < len(lengths) and arrivals[added] <= now:
+        prompt_len, max_tokens = lengths[added]
+        engine.add_request([rng.randrange(VOCAB) for _ in range(prompt_len)],
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                           request_id=str(added))
+        added += 1
+    return added
+
+
 def step_cost(step: SimStep) -> float:
     """Any deterministic function of the step's shape: a prompt token costs more than a decode."""
     return 0.01 + 0.002 * len(step.chunks) + 0.0005 * sum(n for _, n in step.chunks if n > 1)
@@ -39,12 +51,7 @@ def engine_run(lengths, arrivals, policy, max_num_seqs, max_num_batched_tokens, 
     rng = random.Random(1)
     clock, added, first_token, done = 0.0, 0, {}, {}
     while added < len(lengths) or engine.has_unfinished_requests():
-        while added < len(lengths) and arrivals[added] <= clock:
-            prompt_len, max_tokens = lengths[added]
-            engine.add_request([rng.randrange(VOCAB) for _ in range(prompt_len)],
-                               SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                               request_id=str(added))
-            added += 1
+        added = add_arrived(engine, lengths, arrivals, added, clock, rng)
         if not engine.has_unfinished_requests():
             clock = arrivals[added]
             continue
@@ -143,12 +150,7 @@ def async_engine_run(lengths, arrivals, policy, max_num_seqs, max_num_batched_to
     rng = random.Random(1)
     added, first_token, done = 0, {}, {}
     while added < len(lengths) or engine.has_unfinished_requests():
-        while added < len(lengths) and arrivals[added] <= clock["host"]:
-            prompt_len, max_tokens = lengths[added]
-            engine.add_request([rng.randrange(VOCAB) for _ in range(prompt_len)],
-                               SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                               request_id=str(added))
-            added += 1
+        added = add_arrived(engine, lengths, arrivals, added, clock["host"], rng)
         if not engine.has_unfinished_requests():
             clock["host"] = arrivals[added]
             continue
