@@ -51,8 +51,12 @@ def quantize_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x f32 [T, in] -> (q int8 [T, in / 32, 32], d f32 [T, in / 32]), the rule above."""
     blocks = np.asarray(x, np.float32).reshape(x.shape[0], -1, BLOCK)
     d = np.abs(blocks).max(axis=-1) / np.float32(127)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
-    q = np.clip(np.rint(blocks * inv[..., None]), -127, 127).astype(np.int8)
+    # A block whose d is not a normal finite float (zeros, values so small 1 / d overflows) is zeros.
+    usable = (d >= np.finfo(np.float32).tiny) & (d <= np.finfo(np.float32).max)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=usable)
+    with np.errstate(invalid="ignore"):
+        r = np.rint(blocks * inv[..., None])
+    q = np.clip(np.where(np.isnan(r), 0, r), -127, 127).astype(np.int8)
     return q, d
 
 

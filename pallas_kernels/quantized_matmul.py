@@ -335,8 +335,10 @@ def xla_activations(x: jax.Array) -> jax.Array:
     (per 32-value block d = max |x| / 127, q = round-half-even(x * (1 / d))), for XLA's path."""
     blocks = x.astype(jnp.float32).reshape(x.shape[0], -1, BLOCK)
     d = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True) / jnp.float32(127)
-    inverse = jnp.where(d > 0, jnp.float32(1) / jnp.where(d > 0, d, 1), 0)
-    q = jnp.clip(jnp.round(blocks * inverse), -127, 127)  # jnp.round: half to even
+    usable = (d >= jnp.finfo(jnp.float32).tiny) & (d <= jnp.finfo(jnp.float32).max)  # else the block is zeros
+    inverse = jnp.where(usable, jnp.float32(1) / jnp.where(usable, d, 1), 0)
+    r = jnp.round(blocks * inverse)  # half to even
+    q = jnp.clip(jnp.where(jnp.isnan(r), 0, r), -127, 127)
     return (q * d).reshape(x.shape)
 
 

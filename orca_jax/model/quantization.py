@@ -93,6 +93,8 @@ def quantize_decoder(model: Decoder, quantization: str, checkpoint_dir: Path, na
     measured crossover with XLA for the activations, NATIVE_MAX_TOKENS or INT8_NATIVE_MAX_TOKENS).
     `activations`: how the quantized matrices take their inputs, "int8" or "float32"
     (pallas_kernels/int8_activations.py); "auto" as the engine's default (config.activations_for)."""
+    if quantization not in ("gguf", "int8"):
+        raise ConfigError(f"quantize_decoder: unknown quantization {quantization!r} (gguf or int8)")
     activations = activations_for(activations, quantization)
     if activations not in ACTIVATIONS:
         raise ConfigError(f"quantize_decoder: activations must be auto, {' or '.join(ACTIVATIONS)}, got {activations!r}")
@@ -107,7 +109,7 @@ def quantize_decoder(model: Decoder, quantization: str, checkpoint_dir: Path, na
 
         _serve_gguf_blocks(model, Path(checkpoint_dir) / GGUF_FILE, quantized,
                            lambda block_type: GGUFBlockLinear(block_type, cpu_native, native_max_tokens, activations))
-    elif quantization == "int8":
+    else:
         method = Int8Linear(cpu_native, native_max_tokens, activations)
         by_layer: dict[str, dict[str, tuple[str, Dense | Embed]]] = {}  # "blk.3" or "token_embd" -> its matrices
         for name, matrix in _matrices(model).items():
@@ -116,8 +118,6 @@ def quantize_decoder(model: Decoder, quantization: str, checkpoint_dir: Path, na
             weights = floats.read([_weights_name(path, module) for path, module in layer.values()])
             for name, (path, module) in layer.items():
                 _quantize_int8(name, path, module, weights[_weights_name(path, module)], method, quantized)
-    else:
-        raise ConfigError(f"quantize_decoder: unknown quantization {quantization!r}")
     kept = floats.read([name for name in floats.names if name not in quantized.arrays])
     return relayout(model, quantized.methods, quantized.arrays | kept), quantized.report
 
@@ -136,7 +136,7 @@ class FloatParams:
         found = {name: array_at(self.values, name) for name in names}
         if not self.stored or not found:
             return found
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # this process's own (multi-host)
         return restore_params(self.checkpoint_dir, {name: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=device)
                                                     for name, spec in found.items()})
 
@@ -173,6 +173,7 @@ def _quantize_int8(name: str, path: str, module: Dense | Embed, weights: jax.Arr
     if not method.fits(inner):
         log.warning("%s: in=%d is not a multiple of %d, which the int8 kernel needs; kept in float", name, inner, BLOCK)
         quantized.report.float_matrices.append(name)
+        quantized.arrays[_weights_name(path, module)] = weights  # read already: not read again
         return
     quantized.add(path, module, method, *quantize_int8(_float_rows(module, weights)))
 

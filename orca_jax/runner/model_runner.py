@@ -31,7 +31,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from orca_jax.config import ConfigError, EngineConfig, kv_page_dtype, matmul_precision_for
+from orca_jax.config import ConfigError, EngineConfig, activations_for, kv_page_dtype, matmul_precision_for
 from orca_jax.engine.step_plan import Buckets, KVLayout, RunnerLost, StepPlan, StepTokens, step_tokens
 from orca_jax.model.backends import Backends
 from orca_jax.model.decoder import Decoder
@@ -120,6 +120,7 @@ class ModelRunner:
         self.matmul_precision = matmul_precision_for(settings.matmul_precision, config.dtype)
         self.weights = weights
         self.quantization = settings.quantization
+        self.quantization_activations = activations_for(settings.quantization_activations, settings.quantization)
         self.buckets = buckets
         self.max_in_flight = parallel.pipeline_parallel_size
         platform = meshes[0].devices.flat[0].platform
@@ -195,6 +196,7 @@ class ModelRunner:
         settings = {"kv_dtype": self.kv_dtype.name, "attention_impl": self.attention_impl,
                     "matmul_precision": self.matmul_precision, "matmul_impl": self.matmul_impl,
                     "proposer": repr(self.proposer), "quantization": self.quantization,
+                    "quantization_activations": self.quantization_activations,
                     "weights": "the model's arrays" if self.weights is None else self.weights.describe(),
                     "stage_devices": repr([[d.id for d in s.mesh.devices.flat] for s in self.stages])}
         for name, value in (("model", self.config), ("parallel", self.parallel), ("kv_layout", self.kv_layout),

@@ -38,7 +38,7 @@ def variant(request):
 
 def random_weights(format: str, out: int, inner: int, rng):
     """Random bytes in the format (every scale, minimum and high bit set somewhere, Q8_0's and int8's
-    -128 too), or quantized weights for int8 rows half the time."""
+    -128 too)."""
     if format == "int8":
         return rng.integers(-128, 128, (out, inner), dtype=np.int8), rng.standard_normal(out).astype(np.float32)
     return qm.random_blocks(format, out, inner // qm.block_weights(format), rng), None
@@ -97,6 +97,25 @@ def test_int8_activations_stay_close_to_float32_ones():
         exact = qm.quantized_matmul_reference(x, format, weights, scales)
         got = matmul_reference(x, format, weights, scales)
         assert np.abs(got - exact).max() <= 0.02 * np.abs(exact).max(), format
+
+
+def test_blocks_of_zeros_and_of_values_too_small_to_invert_quantize_to_zeros(variant):
+    """A block whose d = max |x| / 127 is zero or below the smallest normal float (1 / d would
+    overflow, and 0 * inf is NaN, whose cast to int8 is undefined) is taken as zeros, by the kernel,
+    the reference and XLA's path alike; the other blocks of the row are untouched."""
+    rng = np.random.default_rng(5)
+    weights, scales = quantized("q4_1", rng.standard_normal((40, 128)).astype(np.float32))
+    x = rng.standard_normal((2, 128)).astype(np.float32)
+    x[0, :32] = 0.0
+    x[0, 32:64] = np.float32(1e-38) * rng.standard_normal(32).astype(np.float32)  # d ~ 2e-40, subnormal
+    x[0, 32] = 0.0
+    q, d = quantize_reference(x)
+    assert not q[0, :2].any() and q[0, 2:].any() and q[1].any()
+    got = np.asarray(int8_matmul(x, "q4_1", weights, scales))
+    want = matmul_reference(x, "q4_1", weights, scales)
+    np.testing.assert_array_equal(got, want)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(np.asarray(qm.xla_activations(jnp.asarray(x)))[0, :64], np.zeros(64, np.float32))
 
 
 @pytest.mark.parametrize("format", ["q4_0", "q4_1", "q5_k", "q6_k", "int8"])

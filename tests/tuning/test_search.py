@@ -120,7 +120,7 @@ def test_a_request_longer_than_the_kv_cache_or_a_prompt_over_the_budget_is_refus
 def test_at_the_capacity_the_ttft_tail_moves_more_than_the_step_cost():
     """The verifying run is at the capacity, where queueing starts: 5% dearer steps lengthen the
     simulated TTFT p99 by more than 5%, and 5% cheaper ones shorten it; the report gives both."""
-    from orca_jax.tuning.search import Settings, sensitivity
+    from orca_jax.tuning.search import sensitivity
 
     workload = workload_of_spec(WorkloadSpec(num_requests=100, prompt_dist="equal", prompt_len=(1, 1),
                                              output_dist="equal", output_len=(32, 32), arrival="poisson", seed=1))
