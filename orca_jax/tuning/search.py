@@ -155,20 +155,21 @@ def run_point(settings: Settings, workload: Workload, rate: float, model: CostMo
                  result.num_steps, result.end_s)
 
 
-def speed_of_run(settings: Settings, workload: Workload, rate: float, model: CostModel, steps: int) -> float:
+def speed_of_run(settings: Settings, workload: Workload, rate: float, model: CostModel, steps: int) -> float | None:
     """The step-cost scale at which the simulation runs as many iterations as a measured run did:
     faster steps each carry fewer tokens, so a run's iteration count tells how fast the machine was
     while it ran against the measured step costs (on a shared machine the two drift apart). A
     gauge, not a measure: decode steps priced dear against prompt steps also batch more decodes and
-    cut the count. By bisection on log(scale), between 1/2 and 2."""
-    low, high = 0.5, 2.0
+    cut the count. By bisection on log(scale), between 1/2 and 2; None when the count lies outside
+    what that range gives (the bisection would end on a bound and name it as the speed)."""
+    bounds = low, high = 0.5, 2.0
     while high / low > 1.01:
         middle = math.sqrt(low * high)
         if simulate_at(settings, workload, rate, model, middle).num_steps > steps:
             low = middle  # too many steps: the steps are dearer than that
         else:
             high = middle
-    return math.sqrt(low * high)
+    return None if low == bounds[0] or high == bounds[1] else math.sqrt(low * high)
 
 
 def candidates(space: Space, workload: Workload, num_pages_for: Callable[[int], int], page_size: int

@@ -318,8 +318,11 @@ def run(args: argparse.Namespace) -> dict:
     print(side_by_side(predicted, measured, target))
     print(f"with every step 5% cheaper / dearer: TTFT p99 {low['ttft_p99_s']:.3f} / {high['ttft_p99_s']:.3f} s, "
           f"TPOT p99 {low['tpot_p99_s']:.3f} / {high['tpot_p99_s']:.3f} s")
-    if measured and measured.get("steps"):
-        scale = speed_of_run(settings, workload, rate, model, int(measured["steps"]))
+    steps = (measured or {}).get("steps")
+    scale = speed_of_run(settings, workload, rate, model, int(steps)) if steps else None
+    if steps and scale is None:
+        print(f"the run's {steps:.0f} iterations match no step cost between 0.5x and 2x the measured one")
+    elif scale is not None:
         at = simulate_at(settings, workload, rate, model, scale)
         predicted["at_run_speed"] = {"step_scale": scale, "ttft_p99_s": p99(at.ttft_s()), "tpot_p99_s": p99(at.tpot_s())}
         print(f"the run's {measured['steps']:.0f} iterations match steps {scale:.2f}x their measured cost; at that speed "

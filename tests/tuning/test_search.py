@@ -147,3 +147,6 @@ def test_a_runs_iteration_count_tells_its_speed():
     slower = simulate_at(settings, workload, 2.0, model, step_scale=1.15)
     assert simulate_at(settings, workload, 2.0, model).num_steps > slower.num_steps + 100  # the premise
     assert speed_of_run(settings, workload, 2.0, model, slower.num_steps) == pytest.approx(1.15, rel=0.02)
+    # A count no scale in [0.5, 2] gives is not named as the nearest bound.
+    assert speed_of_run(settings, workload, 2.0, model, 1) is None
+    assert speed_of_run(settings, workload, 2.0, model, 10**9) is None
