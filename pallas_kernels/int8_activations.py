@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pallas_kernels.quantized_matmul import BLOCK_BYTES, _k_scales_mins, check_activations, check_weights, fma_f32
+from pallas_kernels.quantized_matmul import (BLOCK_BYTES, _half_np as _half, _k_scales_mins, check_activations,
+                                             check_weights, fma_f32)
 
 BLOCK = 32
 LANES = 16
@@ -63,10 +64,6 @@ def quantize_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _nibbles(packed: np.ndarray) -> np.ndarray:
     """16 bytes [..., 16] -> 32 weights: low nibbles are weights 0-15, high nibbles 16-31."""
     return np.concatenate([packed & 15, packed >> 4], axis=-1)
-
-
-def _half(bytes_: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(bytes_).view(np.float16).astype(np.float32)
 
 
 def block_integers(format: str, weights: np.ndarray):

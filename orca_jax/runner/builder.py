@@ -18,7 +18,7 @@ from orca_jax.checkpoint.convert import ensure_pulled
 from orca_jax.checkpoint.dummy import DummyWeights
 from orca_jax.checkpoint.store import (CheckpointWeights, LoadedModel, load_model, open_model, read_model_config,
                                        resolve_checkpoint_dir)
-from orca_jax.config import DEFAULT_CPU_KV_CACHE_MEMORY, ConfigError, EngineConfig, ModelConfig, activations_for, kv_page_dtype
+from orca_jax.config import DEFAULT_CPU_KV_CACHE_MEMORY, ConfigError, EngineConfig, ModelConfig, kv_page_dtype
 from orca_jax.parallel.layout import kv_heads_for_tp
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.runner.model_runner import ModelRunner
@@ -75,8 +75,7 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
         # The quantized model holds its own arrays (tensor_parallel_size is 1): quantizing reads the
         # float parameters it needs from the checkpoint, not the per-stage restore.
         weights = None
-        loaded = quantized(loaded, config.quantization, options.show_progress,
-                           activations_for(config.quantization_activations, config.quantization))
+        loaded = quantized(loaded, config.quantization, options.show_progress, config.quantization_activations)
     model_config = loaded.config
     max_model_len = config.max_model_len or model_config.max_position
     if max_model_len > model_config.max_position:
@@ -215,7 +214,7 @@ def _device_memory(devices: list | None) -> int | None:
 
 def quantized(loaded: LoadedModel, quantization: str, show_progress: bool, activations: str) -> LoadedModel:
     """The loaded model with its matrices quantized (a copy: a model the caller passed in stays float),
-    taking their inputs as `activations` (int8 or float32)."""
+    taking their inputs as the `activations` setting says (auto, int8 or float32)."""
     from orca_jax.model.quantization import quantize_decoder
 
     model, report = quantize_decoder(loaded.model, quantization, loaded.path, activations=activations)

@@ -56,7 +56,6 @@ namespace {
 
 using namespace orca_qmm;
 
-constexpr int kRowsPerItem = 32;  // work item: output rows one thread takes at a time
 // 32-weight blocks a tile's loop takes at a time (their scales converted first: on AVX2, and for the
 // K-quants everywhere); a multiple of 4 and of a K-quant super-block's 8.
 constexpr int64_t kScaleChunk = 32;

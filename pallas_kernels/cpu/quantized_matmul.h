@@ -12,6 +12,7 @@ namespace orca_qmm {
 
 constexpr int kLanes = 16;
 constexpr int kBlock = 32;  // weights per block
+constexpr int kRowsPerItem = 32;  // work item: output rows one thread takes at a time (both kernels)
 
 using vf = float __attribute__((vector_size(4 * kLanes)));
 using vi = int32_t __attribute__((vector_size(4 * kLanes)));

@@ -23,8 +23,6 @@
 namespace orca_qmm {
 namespace {
 
-constexpr int kRowsPerItem = 32;  // work item: output rows one thread takes at a time
-
 // x quantized, per token and pair of blocks (blocks 2p and 2p + 1), in lane order: lane 8h + 4e + k
 // covers weights 16h + 4k .. + 3 of block 2p + e. An odd count's last pair has a zero second block.
 struct Activations {
