@@ -43,7 +43,7 @@ PROMPT = "Write a long story about a lighthouse keeper who finds a message in a 
 def measure(model: str, quantization: str, matmul_impl: str, activations: str, async_scheduling: bool,
             max_num_seqs: int, num_runs: int, bandwidth: float) -> dict:
     llm = LLM(model, max_num_seqs=max_num_seqs, quantization=quantization, matmul_impl=matmul_impl,
-              quantization_activations=activations if quantization != "none" else "auto",
+              quantization_activations=activations,
               async_scheduling=async_scheduling, show_progress=False)
     label = f"{quantization}, matmuls {llm.runner.matmul_impl}, async scheduling {'on' if async_scheduling else 'off'}"
     if quantization != "none":

@@ -39,11 +39,10 @@ class Measured:
     output_tokens: int = 0
     error: str = ""
     # On time.perf_counter()'s clock (CLOCK_MONOTONIC on Linux, as the server's time.monotonic()):
-    # when the request was due, when its POST went out, its first and last token chunks.
+    # when the request was due, when its POST went out, its first token chunk.
     scheduled_at: float = math.nan
     sent_at: float = math.nan
     first_at: float = math.nan
-    last_at: float = math.nan
 
 
 def free_port() -> int:
@@ -126,8 +125,7 @@ async def _one(session: aiohttp.ClientSession, url: str, prompt_token_ids: list[
     if first is None:
         return Measured(False, error="the stream carried no token")
     tpot = (last - first) / (tokens - 1) if tokens > 1 else math.nan
-    return Measured(True, first - scheduled, tpot, tokens, scheduled_at=scheduled, sent_at=sent, first_at=first,
-                    last_at=last)
+    return Measured(True, first - scheduled, tpot, tokens, scheduled_at=scheduled, sent_at=sent, first_at=first)
 
 
 async def _replay(url: str, requests: list[tuple[list[int], int]], arrivals: list[float],
