@@ -4,7 +4,7 @@ weights (4.4 GB) dominate; the generated ids must be the same both ways.
 
     python bench/bench_dummy_memory.py          # writes bench/results/dummy_memory_new.json
 """
-import json, os, subprocess, sys, time, psutil, socket
+import json, os, sys, socket
 import machine
 F = ("--model tinyllama-1.1b --load-format dummy --max-num-seqs 2 --max-num-batched-tokens 16 --kv-cache-memory 16MiB "
      "--max-model-len 128 --prompt-token-ids 1,450,7483 --max-tokens 4").split()
@@ -12,17 +12,8 @@ env = {**os.environ, "JAX_PLATFORMS": "cpu"}; env.pop("JAX_NUM_CPU_DEVICES", Non
 base = [sys.executable, "-m", "orca_jax.cli", "generate", *F]
 
 def run(cmds):
-    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
-    peak = [0] * len(procs)
-    while any(p.poll() is None for p in procs):
-        for i, p in enumerate(procs):
-            try:
-                peak[i] = max(peak[i], psutil.Process(p.pid).memory_info().rss)
-            except psutil.Error:
-                pass
-        time.sleep(0.2)
-    outs = [p.communicate() for p in procs]
-    return [p.returncode for p in procs], [x // 2**20 for x in peak], outs
+    runs = machine.run_with_peak_rss(cmds, env=env, interval_s=0.2)
+    return [r.returncode for r in runs], [r.peak_rss_mib for r in runs], [(r.stdout, r.stderr) for r in runs]
 
 codes, peaks, outs = run([base])
 print("one process", codes, "peak RSS MiB", peaks, outs[0][0].strip().splitlines()[-1], flush=True)

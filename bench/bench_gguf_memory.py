@@ -11,12 +11,8 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
-
-import psutil
 
 import machine
 
@@ -28,20 +24,12 @@ def serve_once(model: str, quantization: str) -> dict:
     """One `orca-jax generate` run: its peak RSS and the parameter bytes its memory plan printed."""
     command = [sys.executable, "-m", "orca_jax.cli", "generate", "--model", model, "--quantization", quantization,
                *GENERATE]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = 0
-    while process.poll() is None:
-        try:
-            peak = max(peak, psutil.Process(process.pid).memory_info().rss)
-        except psutil.Error:
-            pass
-        time.sleep(0.05)
-    out, err = process.communicate()
-    if process.returncode:
-        raise SystemExit(f"{' '.join(command)} failed:\n{err[-2000:]}")
-    planned = re.search(r"parameters ([\d.]+) MiB/device", err)
-    return {"peak_rss_mib": round(peak / 2**20, 1), "plan_parameters_mib": float(planned.group(1)),
-            "output": out.strip().splitlines()[-1:]}
+    [run] = machine.run_with_peak_rss([command])
+    if run.returncode:
+        raise SystemExit(f"{' '.join(command)} failed:\n{run.stderr[-2000:]}")
+    planned = re.search(r"parameters ([\d.]+) MiB/device", run.stderr)
+    return {"peak_rss_mib": run.peak_rss_mib, "plan_parameters_mib": float(planned.group(1)),
+            "output": run.stdout.strip().splitlines()[-1:]}
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ import os
 import platform
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,6 +101,38 @@ def commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("-dirty" if dirty else "")
+
+
+@dataclass
+class Finished:
+    returncode: int
+    peak_rss_mib: float  # the largest resident set seen by polling, not the kernel's exact high-water mark
+    stdout: str
+    stderr: str
+
+
+def run_with_peak_rss(commands: list[list[str]], env: dict | None = None, interval_s: float = 0.05) -> list[Finished]:
+    """Runs the commands side by side (several processes of one job: a leader and its followers) and
+    samples each one's resident memory until all have exited. The outputs are read on their own
+    threads so that a process writing more than a pipe holds cannot stall the others."""
+    import concurrent.futures
+
+    import psutil
+
+    processes = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for c in commands]
+    with concurrent.futures.ThreadPoolExecutor(len(processes)) as pool:
+        outputs = [pool.submit(p.communicate) for p in processes]
+        peaks = [0] * len(processes)
+        while any(p.poll() is None for p in processes):
+            for i, p in enumerate(processes):
+                try:
+                    peaks[i] = max(peaks[i], psutil.Process(p.pid).memory_info().rss)
+                except psutil.Error:  # exited between poll() and the read
+                    pass
+            time.sleep(interval_s)
+        return [Finished(p.returncode, round(peak / 2**20, 1), *out.result())
+                for p, peak, out in zip(processes, peaks, outputs)]
 
 
 def describe() -> dict:
