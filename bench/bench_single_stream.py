@@ -61,12 +61,16 @@ def measure(model: str, quantization: str, matmul_impl: str, activations: str, a
         print(f"{label}: decode {1 / per_token:.1f} tok/s ({1000 * per_token:.1f} ms/token), steps per (tokens x seqs) "
               f"bucket: {runs[-1]['buckets']}", flush=True)
     weight_bytes = sum(x.nbytes for stage in llm.runner.stages for x in jax.tree.leaves(stage.params))
-    limit = bandwidth / weight_bytes
-    best = max(r["decode_tok_s"] for r in runs)
-    print(f"{label}: best {best:.1f} tok/s; weights {weight_bytes / 1e6:.0f} MB -> memory-speed limit "
-          f"{limit:.1f} tok/s; {best / limit:.0%} of it", flush=True)
     return {"matmul_impl": llm.runner.matmul_impl, "async_scheduling": async_scheduling, "runs": runs,
-            "weight_bytes": weight_bytes, "limit_tok_s": limit, "best_tok_s": best, "fraction_of_limit": best / limit}
+            "weight_bytes": weight_bytes, "limit_tok_s": bandwidth / weight_bytes}
+
+
+def with_best(name: str, result: dict) -> dict:
+    """The mode's best run over every round so far, and its fraction of the memory-speed limit."""
+    best = max(r["decode_tok_s"] for r in result["runs"])
+    print(f"{name}: best {best:.1f} tok/s of {len(result['runs'])} runs; weights {result['weight_bytes'] / 1e6:.0f} MB "
+          f"-> memory-speed limit {result['limit_tok_s']:.1f} tok/s; {best / result['limit_tok_s']:.0%} of it", flush=True)
+    return {**result, "best_tok_s": best, "fraction_of_limit": best / result["limit_tok_s"]}
 
 
 def main() -> None:
@@ -98,9 +102,7 @@ def main() -> None:
                              args.max_num_seqs, args.runs, bandwidth)
             if name in modes:  # a later round: its runs join the mode's
                 result["runs"] = modes[name]["runs"] + result["runs"]
-                result["best_tok_s"] = max(r["decode_tok_s"] for r in result["runs"])
-                result["fraction_of_limit"] = result["best_tok_s"] / result["limit_tok_s"]
-            modes[name] = result
+            modes[name] = with_best(name, result)
             gc.collect()  # the previous engine's weights and KV pages go before the next one's
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine.describe(), "model": str(args.model), "cpu": machine.cpu_name(), "native_isa": machine.native_isa(), "max_num_seqs": args.max_num_seqs,
