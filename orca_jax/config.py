@@ -75,7 +75,7 @@ def activations_for(setting: str, quantization: str) -> str:
     """How quantized matrices take their activations. `auto`: int8 for GGUF blocks (as llama.cpp
     serves them: fewer instructions per weight than dequantizing to float32, within the fidelity
     bound docs/quantization.md states), float32 for int8 weights (quantizing both sides of SmolLM2's
-    int8 matrices fell under their own 95% top-1 bar); "none" for an unquantized model."""
+    int8 matrices fell under the 97% top-1 bar the defaults meet); "none" for an unquantized model."""
     if quantization == "none":
         return "none"
     if setting == "auto":
