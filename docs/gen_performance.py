@@ -37,23 +37,34 @@ def x(ratio: float) -> str:
     return f"**{ratio:.2f}x**"
 
 
+def weights_label(d: dict) -> str:
+    """The GGUF block types a vs_llama_cpp run served ("q4_1" for the default file): llama-server's
+    single-stream timings are kept by that label and by "f32"."""
+    return next(label for label in d["llama_server_single_stream_tok_s"] if label != "f32")
+
+
 def vs_llama_cpp(d: dict) -> list[str]:
-    single, llama, serving, n = d["single_stream"], d["llama_server_single_stream_tok_s"], d["serving"], d["concurrency"]
+    single, llama, n = d["single_stream"], d["llama_server_single_stream_tok_s"], d["concurrency"]
+    label = weights_label(d)
     gguf, f32 = single["quantization"]["gguf"], single["quantization"]["none"]
-    q4_ours, q4_theirs = gguf["best_tok_s"], max(llama["q4_1"])
+    q_ours, q_theirs = gguf["best_tok_s"], max(llama[label])
     f32_ours, f32_theirs = f32["best_tok_s"], max(llama["f32"])
-    many = {k: v["output_throughput"] for k, v in serving.items()}
-    return table(["", "orca_jax", "llama-server", "orca_jax / llama-server"], [
-        ["one request, Q4_1 (`--quantization gguf`), decode tok/s", f"{q4_ours:.1f}", f"{q4_theirs:.1f}",
-         x(q4_ours / q4_theirs)],
+    rows = [
+        [f"one request, {label.upper()} (`--quantization gguf`), decode tok/s", f"{q_ours:.1f}", f"{q_theirs:.1f}",
+         x(q_ours / q_theirs)],
         ["one request, float32 / F32, decode tok/s",
          f"{f32_ours:.1f} ({f32['fraction_of_limit']:.0%} of its memory-speed limit)", f"{f32_theirs:.1f}",
          x(f32_ours / f32_theirs)],
-        [f"64 requests at {n} in flight, Q4_1, generated tok/s", f"{many['orca_jax_q4_1']:.1f}",
-         f"{many['llama_server_q4_1']:.1f}", x(many["orca_jax_q4_1"] / many["llama_server_q4_1"])],
-        [f"64 requests at {n} in flight, float32 / F32, generated tok/s", f"{many['orca_jax_f32']:.1f}",
-         f"{many['llama_server_f32']:.1f}", x(many["orca_jax_f32"] / many["llama_server_f32"])],
-    ])
+    ]
+    if "serving" in d:  # compare_llama_cpp.sh with SERVING=0 runs one request only
+        many = {k: v["output_throughput"] for k, v in d["serving"].items()}
+        rows += [
+            [f"64 requests at {n} in flight, {label.upper()}, generated tok/s", f"{many[f'orca_jax_{label}']:.1f}",
+             f"{many[f'llama_server_{label}']:.1f}", x(many[f"orca_jax_{label}"] / many[f"llama_server_{label}"])],
+            [f"64 requests at {n} in flight, float32 / F32, generated tok/s", f"{many['orca_jax_f32']:.1f}",
+             f"{many['llama_server_f32']:.1f}", x(many["orca_jax_f32"] / many["llama_server_f32"])],
+        ]
+    return table(["", "orca_jax", "llama-server", "orca_jax / llama-server"], rows)
 
 
 def single_stream(d: dict) -> list[str]:
@@ -247,6 +258,13 @@ def machine_line(d: dict) -> str:
     return line + (f" {m['note'][0].upper()}{m['note'][1:]}." if m.get("note") else "")
 
 
+def heading(bench: str, d: dict) -> str:
+    """The CPU; for a vs_llama_cpp run of another file than the default, its block types too."""
+    if bench == "vs_llama_cpp" and weights_label(d) != "q4_1":
+        return f"{d['machine']['cpu']}, {weights_label(d).upper()}"
+    return d["machine"]["cpu"]
+
+
 def page() -> str:
     runs = load_latest()
     out = ["# Performance", "",
@@ -260,14 +278,16 @@ def page() -> str:
             continue
         out += [f"## {title}", "", intro, ""]
         for d in runs[name]:
-            out += [f"### {d['machine']['cpu']}", "", machine_line(d), "", *make(d), ""]
+            out += [f"### {heading(name, d)}", "", machine_line(d), "", *make(d), ""]
     return "\n".join(out)
 
 
 def headline() -> str:
     """README's table: the newest vs_llama_cpp run (or HEADLINE_CPU's), with its CPU and commit named
     (its date stays on the performance page: README carries no dated figure)."""
-    candidates = load_latest().get("vs_llama_cpp", [])
+    # The default file (Q4_1) with the CPU's own kernel variant: runs of other files, or with a variant
+    # forced (ORCA_JAX_NATIVE_ISA), have a longer name (vs_llama_cpp_<cpu>_<what>.json) and stay on the page.
+    candidates = [d for d in load_latest().get("vs_llama_cpp", []) if Path(d["_file"]).stem.count("_") == 3]
     if HEADLINE_CPU is not None:
         candidates = [d for d in candidates if d["machine"]["cpu"] == HEADLINE_CPU]
     if not candidates:
