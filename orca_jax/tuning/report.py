@@ -77,9 +77,10 @@ def per_request(simulated, measured: list | None) -> list[dict]:
     return rows
 
 
-def plot(outcomes: list[Outcome], target: Target, path: Path) -> str:
+def plot(outcomes: list[Outcome], target: Target, path: Path, margin: float = 0.0) -> str:
     """Capacity (or, at a fixed rate, the p99 score) against max_num_seqs, one panel per policy and a
-    line per token budget, at the best KV budget of each. Returns what was done, for the log."""
+    line per token budget, at the best KV budget of each; `margin`: the capacities are with every
+    step that much dearer than measured. Returns what was done, for the log."""
     try:
         import matplotlib
     except ImportError:
@@ -110,7 +111,9 @@ def plot(outcomes: list[Outcome], target: Target, path: Path) -> str:
         ax.legend(fontsize=7, title="max_num_batched_tokens", title_fontsize=7)
     axes[0][0].set_ylabel("capacity (req/s within the target)" if target.rate is None
                           else f"p99 / target at {target.rate:g} req/s (lower is better)")
-    fig.suptitle(f"simulated: TTFT p99 <= {target.ttft_p99_s:g} s, TPOT p99 <= {target.tpot_p99_s:g} s", fontsize=9)
+    dearer = f", every step {margin:.0%} dearer than measured" if margin else ""
+    fig.suptitle(f"simulated{dearer}: TTFT p99 <= {target.ttft_p99_s:g} s, TPOT p99 <= {target.tpot_p99_s:g} s",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
