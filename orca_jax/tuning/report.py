@@ -15,8 +15,9 @@ def _fmt(value: float | None, unit: str = "s") -> str:
     return "-" if value is None else f"{value:.3f} {unit}"
 
 
-def table(outcomes: list[Outcome], target: Target, winner: Outcome | None, rows: int = 12) -> str:
-    """The best candidates, one line each."""
+def table(outcomes: list[Outcome], target: Target, winner: Outcome | None, rows: int = 12, margin: float = 0.0
+          ) -> str:
+    """The best candidates, one line each; `margin`: simulated with every step that much dearer."""
     if target.rate is None:
         ranked = sorted(outcomes, key=lambda o: -(o.capacity or 0))
         head = f"{'settings':58s} {'capacity':>10s} {'TTFT p99':>10s} {'TPOT p99':>10s}"
@@ -36,7 +37,8 @@ def table(outcomes: list[Outcome], target: Target, winner: Outcome | None, rows:
         lines.append(f"{mark}{key.label:57s} {first:>10s} {_fmt(p and p.ttft_p99_s):>10s} {_fmt(p and p.tpot_p99_s):>10s}")
         if len(lines) > rows:
             break
-    return "\n".join(lines)
+    dearer = [f"simulated with every step {margin:.0%} dearer than measured (--cost-margin):"] if margin else []
+    return "\n".join(dearer + lines)
 
 
 def side_by_side(predicted: dict, measured: dict | None, target: Target) -> str:

@@ -306,9 +306,6 @@ def run(args: argparse.Namespace) -> dict:
         return tqdm(items, desc="searching", unit="setting")
 
     searched = model if margin is None else model.scaled(1 + margin)
-    if margin is not None:
-        print(f"searching for the largest rate that meets the target with every step {margin:.0%} dearer than "
-              "measured (--cost-margin)", file=sys.stderr)
     winner, outcomes, refused = search(space, workload, searched, target, pages_for, measurement["page_size"],
                                        progress)
     for why, what in grouped(refused).items():
@@ -316,7 +313,7 @@ def run(args: argparse.Namespace) -> dict:
               file=sys.stderr)
     if not outcomes:
         raise ValueError("the memory plan and the workload leave no settings to try (see the refusals above)")
-    print(table(outcomes, target, winner))
+    print(table(outcomes, target, winner, margin=margin or 0.0))
     if winner is None:
         raise ValueError(f"no settings meet TTFT p99 <= {target.ttft_p99_s} s and TPOT p99 <= {target.tpot_p99_s} s "
                          "even at a trickle of requests: loosen the target or shorten the workload's requests")
