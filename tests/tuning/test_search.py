@@ -183,3 +183,12 @@ def test_a_cost_margin_lowers_the_rate_by_the_expected_amount():
     at = run_point(winner.settings, workload, recommended, model)
     assert at.meets(target) and at.ttft_p99_s < winner.point.ttft_p99_s
     assert run_point(winner.settings, workload, recommended, model.scaled(k)).meets(target)
+
+
+def test_settings_round_trip_through_a_reports_json():
+    """bench_tune.py and ttft_breakdown.py read a report's settings back with from_json."""
+    from orca_jax.tuning.search import Settings
+
+    settings = Settings("chunked", 64, 128, 512 << 20, 728, 16)
+    assert Settings.from_json(settings.to_json()) == settings
+    assert settings.to_json()["num_kv_pages"] == 728  # the report's key, as bench_tune reads it
