@@ -243,14 +243,16 @@ def prompts_for(workload: Workload, measurement: dict, seed: int) -> list[list[i
     return [[rng.choice(allowed) for _ in range(p)] for p, _ in workload.lengths]
 
 
-def verify(toml: Path, workload: Workload, prompts: list[list[int]], rate: float, log: Path) -> tuple[list, dict]:
+def verify(toml: Path, workload: Workload, prompts: list[list[int]], rate: float, log: Path,
+           expected_s: float) -> tuple[list, dict]:
     """The settings served for real at `rate`: each request's measurement (loadgen.Measured) and the
-    p99s measured from the streamed responses."""
+    p99s measured from the streamed responses. `expected_s`: the simulated run's length, for the log."""
     from tqdm.auto import tqdm
 
     from orca_jax.tuning.loadgen import engine_counters, replay, running_server
 
-    print(f"verifying: starting `orca-jax serve --config {toml}` (log: {log}) ...", file=sys.stderr, flush=True)
+    print(f"verifying: starting `orca-jax serve --config {toml}` (log: {log}) for a replay of about "
+          f"{expected_s / 60:.1f} min (--no-verify skips it) ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     with running_server(toml, log) as url:
         ready = time.perf_counter() - start
@@ -319,7 +321,9 @@ def run(args: argparse.Namespace) -> dict:
                          "even at a trickle of requests: loosen the target or shorten the workload's requests")
     settings = winner.settings
     rate = target.rate if target.rate is not None else winner.capacity
-    nominal = None if margin is None else find_capacity(settings, workload, model, target).capacity
+    # The nominal capacity, bisected above the recommended rate (which the measured costs meet,
+    # unless the simulated p99s fall with the rate there: the prediction below then says so).
+    nominal = None if margin is None else find_capacity(settings, workload, model, target, best=rate).capacity
     # The prediction at the rate served, at the measured costs (with a margin, the search priced its
     # runs dearer); its requests are also per_request's simulated columns.
     simulated = simulate_at(settings, workload, rate, model)
@@ -330,6 +334,10 @@ def run(args: argparse.Namespace) -> dict:
     rates = (f"recommended rate {rate:.3g} req/s (it meets the target with every step {margin:.0%} dearer than "
              f"measured; nominal capacity {nominal:.3g} req/s)" if margin is not None else f"{rate:.3g} req/s")
     print(rates, file=sys.stderr)
+    if nominal is not None and rate < nominal / 2:
+        print(f"the recommended rate is {rate / nominal:.0%} of the nominal capacity: near this target the p99s grow "
+              "fast with the step cost (the sensitivity line below); a looser target, a quieter or faster machine or "
+              "a smaller --cost-margin leaves more room", file=sys.stderr)
     header = [f"orca-jax tune, {datetime.date.today()}: {describe(list(workload.lengths))}",
               f"target TTFT p99 <= {target.ttft_p99_s} s, TPOT p99 <= {target.tpot_p99_s} s; {rates}",
               f"predicted there: TTFT p99 {ttft:.3f} s, TPOT p99 {tpot:.3f} s"]
@@ -339,7 +347,8 @@ def run(args: argparse.Namespace) -> dict:
     measured = results = None
     if not args.no_verify:
         log = (args.report or args.out).with_suffix(".server.log")
-        results, measured = verify(args.out, workload, prompts_for(workload, measurement, args.seed), rate, log)
+        results, measured = verify(args.out, workload, prompts_for(workload, measurement, args.seed), rate, log,
+                                   simulated.end_s)
         measured["meets_target"] = (measured["ok"] == measured["requests"] and measured["ttft_p99_s"] <= target.ttft_p99_s
                                     and measured["tpot_p99_s"] <= target.tpot_p99_s)
         if measured["errors"]:
