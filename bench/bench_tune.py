@@ -21,6 +21,7 @@ its verifying run, simulated and measured side by side), each probe, both capaci
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import subprocess
@@ -124,13 +125,11 @@ def main(argv: list[str] | None = None) -> dict:
     defaults_toml.write_text(f'model = "{report["model"]}"\n')
     pages = report["measurement"]["kv_pages"]
     default_pages = pages.get(str(1 << 30)) if isinstance(pages.get(str(1 << 30)), int) else None
-    s = report["settings"]
+    tuned = Settings.from_json(report["settings"])
     candidates = {
-        "defaults": (defaults_toml, Settings(DEFAULTS["policy"], DEFAULTS["max_num_seqs"],
-                                             DEFAULTS["max_num_batched_tokens"], 1 << 30,
-                                             default_pages or s["num_kv_pages"], s["page_size"])),
-        "tuned": (tuned_toml, Settings(s["policy"], s["max_num_seqs"], s["max_num_batched_tokens"],
-                                       s["kv_cache_memory"], s["num_kv_pages"], s["page_size"])),
+        "defaults": (defaults_toml, dataclasses.replace(tuned, **DEFAULTS, kv_cache_memory=1 << 30,
+                                                        num_pages=default_pages or tuned.num_pages)),
+        "tuned": (tuned_toml, tuned),
     }
     results = {}
     for name, (toml, settings) in candidates.items():
@@ -147,6 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
     out = {"machine": machine.describe(), "model": args.model, "target": {"ttft_p99_s": target.ttft_p99_s,
                                                                          "tpot_p99_s": target.tpot_p99_s},
            "tune_s": tune_s, "tune_predicted": report["predicted"], "tune_measured": report["measured"],
+           "tune_nominal_capacity_rps": report.get("nominal_capacity_rps"),
+           "tune_cost_margin": report.get("cost_margin"),
            "tune_per_request": report.get("per_request"),
            "tune_settings": report["settings"], "heldout": describe(list(heldout.lengths)),
            "capacity": results, "capacity_ratio": ratio}

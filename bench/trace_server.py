@@ -6,12 +6,13 @@ The server is the real one (orca_jax.cli); this wrapper only wraps three LLMEngi
 one JSON line per event, stamped with time.monotonic() (the same clock as the load generator's
 time.perf_counter() on Linux, and as the handlers' request arrival time):
 
-  {"add": request id, "t", "arrival": the handler's arrival time, "prompt_len", "max_tokens"}
+  {"event": "add", "request": id, "t", "arrival": the handler's arrival time, "prompt_len", "max_tokens"}
       the engine thread took the request from its inbox;
-  {"dispatch": step index, "t", "chunks": [[request id, start, num_new, samples], ...]}
+  {"event": "dispatch", "t", "chunks": [[request id, start, num_new, samples], ...]}
       a step was planned and dispatched;
-  {"collect": step index, "t0", "t"}  the engine started waiting for the step's result, and had it;
-  {"first": request id, "t", "step"}  its first token was appended (the output goes to the HTTP
+  {"event": "collect", "t0", "t"}  the engine started waiting for the oldest step's result, and had
+      it (steps are collected in the order dispatched: the n-th collect is the n-th dispatch's);
+  {"event": "first", "request": id, "t"}  its first token was appended (the output goes to the HTTP
       handler right after the engine's step() returns).
 
 The engine serves with its settings unchanged (async scheduling included), so the trace shows the
@@ -34,7 +35,6 @@ from orca_jax.engine.engine import LLMEngine  # noqa: E402
 
 def install(path: str) -> None:
     out = open(path, "w", buffering=1)  # a line each: the trace survives the server's SIGTERM
-    state = {"dispatched": 0, "collected": 0}
 
     def write(record: dict) -> None:
         out.write(json.dumps(record) + "\n")
@@ -44,21 +44,20 @@ def install(path: str) -> None:
 
     def traced_add(self, prompt_token_ids, params, request_id=None, prompt=None, arrival_time=None):
         request_id = add_request(self, prompt_token_ids, params, request_id, prompt, arrival_time)
-        write({"add": request_id, "t": time.monotonic(), "arrival": arrival_time,
+        write({"event": "add", "request": request_id, "t": time.monotonic(), "arrival": arrival_time,
                "prompt_len": len(prompt_token_ids), "max_tokens": params.max_tokens})
         return request_id
 
     def traced_dispatch(self, scheduled):
         dispatch(self, scheduled)
-        write({"dispatch": state["dispatched"], "t": time.monotonic(),
+        write({"event": "dispatch", "t": time.monotonic(),
                "chunks": [[s.request.request_id, s.start, s.num_new_tokens, bool(s.samples)]
                           for s in scheduled.scheduled]})
-        state["dispatched"] += 1
 
     def traced_collect(self):
         t0 = time.monotonic()
         result = collect(self)
-        write({"collect": state["collected"], "t0": t0, "t": time.monotonic()})
+        write({"event": "collect", "t0": t0, "t": time.monotonic()})
         return result
 
     def traced_update(self, scheduled, sampled, touched):
@@ -67,8 +66,7 @@ def install(path: str) -> None:
         now = time.monotonic()
         for request in fresh:
             if request.output_token_ids:
-                write({"first": request.request_id, "t": now, "step": state["collected"]})
-        state["collected"] += 1
+                write({"event": "first", "request": request.request_id, "t": now})
 
     LLMEngine.add_request, LLMEngine._dispatch = traced_add, traced_dispatch
     LLMEngine._collect_oldest, LLMEngine._update = traced_collect, traced_update

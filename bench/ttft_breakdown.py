@@ -7,14 +7,15 @@ Serves the report's settings with bench/trace_server.py (the real server, its en
 the report's workload at R (default: the rate the report verified at) and simulates the same requests
 with the report's cost model. Per request, the measured TTFT is split at the trace's events:
 
-  client lag   due time -> POST sent (the load generator's own delay)
+  send lag     due time -> POST sent (the load generator's own delay)
   intake       POST sent -> the engine thread took the request (HTTP, parsing, the inbox)
   wait         taken -> dispatch of the first step that schedules it (queueing for admission)
   prefill      that dispatch -> the step sampling its first token was collected (its prompt's chunks)
   delivery     collected -> the client read the first token chunk (outputs, event loop, streaming)
 
 and the simulation's into its wait (arrival -> start of the step that first schedules it) and
-prefill. Per step, the measured time (from the previous step's collection, or from its own dispatch
+prefill (the measured and simulated TTFT, TPOT and lag: tuning/report.per_request, as `tune` reports
+them). Per step, the measured time (from the previous step's collection, or from its own dispatch
 if that came later, to its collection) is set
 beside the cost model's price of the very same step (its chunks as the trace recorded them), so
 the cost model is checked on the steps the server ran, not on the measured grid's.
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from orca_jax.tuning.cost_model import CostModel  # noqa: E402
 from orca_jax.tuning.loadgen import replay, running_server  # noqa: E402
+from orca_jax.tuning.report import per_request  # noqa: E402
 from orca_jax.tuning.search import Settings, p99, simulate_at  # noqa: E402
 from orca_jax.tuning.simulate import SimStep  # noqa: E402
 from orca_jax.tuning.tune import prompts_for  # noqa: E402
@@ -43,13 +45,12 @@ HERE = Path(__file__).resolve().parent
 
 
 def read_trace(path: Path) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
-    adds, dispatches, collects, firsts = [], [], [], []
+    """The trace's add, dispatch, collect and first records, each in the order written."""
+    events: dict[str, list[dict]] = {"add": [], "dispatch": [], "collect": [], "first": []}
     for line in path.read_text().splitlines():
         record = json.loads(line)
-        for key, into in (("add", adds), ("dispatch", dispatches), ("collect", collects), ("first", firsts)):
-            if key in record:
-                into.append(record)
-    return adds, dispatches, collects, firsts
+        events[record["event"]].append(record)
+    return events["add"], events["dispatch"], events["collect"], events["first"]
 
 
 def match_requests(adds: list[dict], measured: list, lengths) -> dict[str, int]:
@@ -61,7 +62,7 @@ def match_requests(adds: list[dict], measured: list, lengths) -> dict[str, int]:
         same = [i for i in free if lengths[i][0] == add["prompt_len"] and lengths[i][1] == add["max_tokens"]]
         if same:
             i = min(same, key=lambda i: abs(add["arrival"] - measured[i].sent_at))
-            ids[add["add"]] = i
+            ids[add["request"]] = i
             free.discard(i)
     return ids
 
@@ -69,9 +70,7 @@ def match_requests(adds: list[dict], measured: list, lengths) -> dict[str, int]:
 def breakdown(report: dict, rate: float, work: Path, num_requests: int | None = None) -> dict:
     w = report["workload"]
     workload = Workload(tuple(map(tuple, w["lengths"][:num_requests])), tuple(w["unit_arrivals"][:num_requests]))
-    s = report["settings"]
-    settings = Settings(s["policy"], s["max_num_seqs"], s["max_num_batched_tokens"], s["kv_cache_memory"],
-                        s["num_kv_pages"], s["page_size"])
+    settings = Settings.from_json(report["settings"])
     model = CostModel.from_json(report["measurement"]["cost_model"])
     prompts = prompts_for(workload, report["measurement"], 0)
     trace = work / "trace.jsonl"
@@ -102,23 +101,20 @@ def breakdown(report: dict, rate: float, work: Path, num_requests: int | None = 
         # planned after its predecessor was in: the engine was idle, or held the plan back).
         step["measured_s"] = step["collected"] - max(prev["collected"], step["dispatched"])
 
-    first_dispatch, first_collect = {}, {f["first"]: f["t"] for f in firsts}
+    first_dispatch, first_collect = {}, {f["request"]: f["t"] for f in firsts}
     for d in dispatches:
         for rid, *_ in d["chunks"]:
             first_dispatch.setdefault(rid, d["t"])
-    added = {a["add"]: a for a in adds}
+    added = {a["request"]: a for a in adds}
+    side_by_side = per_request(sim, measured)
     rows = []
     for rid, i in index.items():
-        m, r = measured[i], sim.requests[i]
-        rows.append({
-            "index": i, "prompt_len": r.prompt_len, "max_tokens": r.max_tokens, "arrival_s": r.arrival_s,
-            "ttft_s": m.ttft_s, "tpot_s": m.tpot_s if m.output_tokens > 1 else None,
-            "client_lag_s": m.sent_at - m.scheduled_at, "intake_s": added[rid]["t"] - m.sent_at,
-            "wait_s": first_dispatch[rid] - added[rid]["t"], "prefill_s": first_collect[rid] - first_dispatch[rid],
-            "delivery_s": m.first_at - first_collect[rid],
-            "sim_ttft_s": r.first_token_s - r.arrival_s, "sim_wait_s": r.scheduled_s - r.arrival_s,
-            "sim_prefill_s": r.first_token_s - r.scheduled_s,
-            "sim_tpot_s": (r.finish_s - r.first_token_s) / (r.max_tokens - 1) if r.max_tokens > 1 else None})
+        m, row = measured[i], side_by_side[i]
+        rows.append({"index": i, **row, "intake_s": added[rid]["t"] - m.sent_at,
+                     "wait_s": first_dispatch[rid] - added[rid]["t"],
+                     "prefill_s": first_collect[rid] - first_dispatch[rid],
+                     "delivery_s": m.first_at - first_collect[rid],
+                     "sim_prefill_s": row["sim_ttft_s"] - row["sim_wait_s"]})
     rows.sort(key=lambda row: row["index"])
     return {"rate_rps": rate, "wall_s": wall, "settings": settings.label,
             "ttft_p99_s": p99([r["ttft_s"] for r in rows]), "sim_ttft_p99_s": p99([r["sim_ttft_s"] for r in rows]),
@@ -134,7 +130,7 @@ def summarize(out: dict) -> str:
     lines = [f"{out['settings']} at {out['rate_rps']:.3f} req/s: TTFT p99 measured {out['ttft_p99_s']:.2f} s, "
              f"simulated {out['sim_ttft_p99_s']:.2f}; TPOT p99 {out['tpot_p99_s']:.3f} / {out['sim_tpot_p99_s']:.3f}; "
              f"steps {out['steps']} / {out['sim_steps']}"]
-    parts = ("client_lag_s", "intake_s", "wait_s", "prefill_s", "delivery_s")
+    parts = ("send_lag_s", "intake_s", "wait_s", "prefill_s", "delivery_s")
     for name, group in (("all", rows), ("TTFT tail", tail)):
         mean = {p: np.mean([r[p] for r in group]) for p in parts}
         lines.append(f"{name:10s} ({len(group)}): measured " + ", ".join(f"{p[:-2]} {v:.3f}" for p, v in mean.items())

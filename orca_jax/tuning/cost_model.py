@@ -93,6 +93,21 @@ class CostModel:
             return self.prefill_per_1k_attended_s
         return self.prefill_per_1k_decode_attended_s
 
+    def scaled(self, factor: float) -> "CostModel":
+        """The model with every step costing `factor` times as much (every term is scaled: a step's
+        price is linear in them): a machine that much slower than measured."""
+        def times(table: dict[int, float]) -> dict[int, float]:
+            return {k: factor * v for k, v in table.items()}
+
+        mixed = self.prefill_per_1k_decode_attended_s
+        return dataclasses.replace(
+            self, decode_base_s=times(self.decode_base_s),
+            decode_per_1k_attended_s=factor * self.decode_per_1k_attended_s,
+            prefill_base_s=times(self.prefill_base_s), prefill_per_seq_s=factor * self.prefill_per_seq_s,
+            prefill_per_1k_attended_s=factor * self.prefill_per_1k_attended_s,
+            host_s_per_step=factor * self.host_s_per_step, host_s_per_seq=factor * self.host_s_per_seq,
+            prefill_per_1k_decode_attended_s=None if mixed is None else factor * mixed)
+
     def device_seconds(self, chunks, token_bucket: int, seq_bucket: int) -> float:
         work = attended(chunks) / 1000
         if is_decode(chunks):
@@ -214,8 +229,7 @@ def fit(timings: list[Timing], host_s_per_step: float = 0.0, host_s_per_seq: flo
     # Decode rows' positions get a term of their own where the mixed steps measured them at more
     # than one context (else the prompt tokens' rate stands in, as a term nothing tells apart).
     decode_work = [decode_attended(t.chunks) / 1000 for t in prefill]
-    mixed_contexts = {tuple(sorted({start for start, n in t.chunks if n == 1})) for t in prefill} - {()}
-    own_term = len({c for contexts in mixed_contexts for c in contexts}) > 1
+    own_term = len({start for t in prefill for start, n in t.chunks if n == 1}) > 1  # decode contexts measured
     x = np.array([[float(t.token_bucket == b) for b in token_buckets]
                   + [t.seq_bucket, attended(t.chunks) / 1000 - (w if own_term else 0)] + ([w] if own_term else [])
                   for t, w in zip(prefill, decode_work)])

@@ -15,8 +15,9 @@ def _fmt(value: float | None, unit: str = "s") -> str:
     return "-" if value is None else f"{value:.3f} {unit}"
 
 
-def table(outcomes: list[Outcome], target: Target, winner: Outcome | None, rows: int = 12) -> str:
-    """The best candidates, one line each."""
+def table(outcomes: list[Outcome], target: Target, winner: Outcome | None, rows: int = 12, margin: float = 0.0
+          ) -> str:
+    """The best candidates, one line each; `margin`: simulated with every step that much dearer."""
     if target.rate is None:
         ranked = sorted(outcomes, key=lambda o: -(o.capacity or 0))
         head = f"{'settings':58s} {'capacity':>10s} {'TTFT p99':>10s} {'TPOT p99':>10s}"
@@ -36,7 +37,8 @@ def table(outcomes: list[Outcome], target: Target, winner: Outcome | None, rows:
         lines.append(f"{mark}{key.label:57s} {first:>10s} {_fmt(p and p.ttft_p99_s):>10s} {_fmt(p and p.tpot_p99_s):>10s}")
         if len(lines) > rows:
             break
-    return "\n".join(lines)
+    dearer = [f"simulated with every step {margin:.0%} dearer than measured (--cost-margin):"] if margin else []
+    return "\n".join(dearer + lines)
 
 
 def side_by_side(predicted: dict, measured: dict | None, target: Target) -> str:
@@ -77,9 +79,10 @@ def per_request(simulated, measured: list | None) -> list[dict]:
     return rows
 
 
-def plot(outcomes: list[Outcome], target: Target, path: Path) -> str:
+def plot(outcomes: list[Outcome], target: Target, path: Path, margin: float = 0.0) -> str:
     """Capacity (or, at a fixed rate, the p99 score) against max_num_seqs, one panel per policy and a
-    line per token budget, at the best KV budget of each. Returns what was done, for the log."""
+    line per token budget, at the best KV budget of each; `margin`: the capacities are with every
+    step that much dearer than measured. Returns what was done, for the log."""
     try:
         import matplotlib
     except ImportError:
@@ -110,7 +113,9 @@ def plot(outcomes: list[Outcome], target: Target, path: Path) -> str:
         ax.legend(fontsize=7, title="max_num_batched_tokens", title_fontsize=7)
     axes[0][0].set_ylabel("capacity (req/s within the target)" if target.rate is None
                           else f"p99 / target at {target.rate:g} req/s (lower is better)")
-    fig.suptitle(f"simulated: TTFT p99 <= {target.ttft_p99_s:g} s, TPOT p99 <= {target.tpot_p99_s:g} s", fontsize=9)
+    dearer = f", every step {margin:.0%} dearer than measured" if margin else ""
+    fig.suptitle(f"simulated{dearer}: TTFT p99 <= {target.ttft_p99_s:g} s, TPOT p99 <= {target.tpot_p99_s:g} s",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

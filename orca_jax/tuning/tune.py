@@ -10,13 +10,14 @@ checked by one real run.
    and the memory plan gives each KV budget's pages.
 2. Search (tuning/search.py): every policy x max_num_seqs x max_num_batched_tokens x KV budget the
    memory plan allows, simulated against the workload (tuning/simulate.py): the largest arrival
-   rate whose p99 TTFT and TPOT meet the targets (--max-rate, the default), or the best p99s at
-   --arrival-rate.
+   rate whose p99 TTFT and TPOT meet the targets with every step --cost-margin dearer than
+   measured (--max-rate, the default: the recommended rate; the nominal capacity, at the measured
+   costs, is printed beside it), or the best p99s at --arrival-rate.
 3. Write the winner as an engine TOML (`orca-jax serve --config` takes it), then verify it: start
-   that server, replay the workload at the chosen rate (tuning/loadgen.py), and print the predicted
-   and measured p99s side by side; the report JSON keeps both, the settings, the cost model and every
-   candidate; a plot shows capacity against each setting (the printed and kept pieces:
-   tuning/report.py).
+   that server, replay the workload at the recommended (or given) rate (tuning/loadgen.py), and
+   print the p99s predicted there at the measured costs and the measured ones side by side; the
+   report JSON keeps both, the settings, the cost model and every candidate; a plot shows capacity
+   against each setting (the printed and kept pieces: tuning/report.py).
 
 Importing this module does not import jax: cli.py builds its parser at start-up.
 """
@@ -39,7 +40,8 @@ from orca_jax.config import DEFAULT_MODEL, DTYPE_CHOICES, QUANTIZATION_CHOICES, 
 from orca_jax.sizes import byte_size, format_bytes
 from orca_jax.tuning.cost_model import CostModel
 from orca_jax.tuning.report import grouped, outcome_json, per_request, plot, side_by_side, summary, table
-from orca_jax.tuning.search import Space, Target, p99, search, sensitivity, simulate_at, speed_of_run
+from orca_jax.tuning.search import (DEFAULT_COST_MARGIN, Space, Target, find_capacity, p99, search, sensitivity,
+                                    simulate_at, speed_of_run)
 from orca_jax.tuning.workload import (LENGTH_DISTRIBUTIONS, Workload, WorkloadSpec, describe, load_jsonl,
                                       workload_of_requests, workload_of_spec)
 
@@ -79,6 +81,16 @@ def size_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def cost_margin(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a fraction >= 0, e.g. 0.1 for every step 10% dearer")
+    return value
+
+
 def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     space = Space()
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"preset name or checkpoint directory (default {DEFAULT_MODEL})")
@@ -97,6 +109,10 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     rate.add_argument("--arrival-rate", type=float, metavar="R", help="requests/s: the settings with the best p99s at R")
     rate.add_argument("--max-rate", action="store_true",
                       help="the settings that serve the largest arrival rate within the target (the default)")
+    target.add_argument("--cost-margin", type=cost_margin, default=None, metavar="M",
+                        help=f"--max-rate: recommend the largest rate that meets the target with every step M "
+                             f"(a fraction) dearer than measured, so that it holds when the machine runs slower "
+                             f"than it was measured (default {DEFAULT_COST_MARGIN:g}; 0: the nominal capacity)")
     work = parser.add_argument_group("workload (a file, or distributions; Poisson arrivals unless --arrival-cv)")
     work.add_argument("--workload", type=Path, metavar="FILE",
                       help="JSONL, one request a line: prompt_token_ids, max_tokens[, arrival_s] (bench/workloads.py "
@@ -227,14 +243,16 @@ def prompts_for(workload: Workload, measurement: dict, seed: int) -> list[list[i
     return [[rng.choice(allowed) for _ in range(p)] for p, _ in workload.lengths]
 
 
-def verify(toml: Path, workload: Workload, prompts: list[list[int]], rate: float, log: Path) -> tuple[list, dict]:
+def verify(toml: Path, workload: Workload, prompts: list[list[int]], rate: float, log: Path,
+           expected_s: float) -> tuple[list, dict]:
     """The settings served for real at `rate`: each request's measurement (loadgen.Measured) and the
-    p99s measured from the streamed responses."""
+    p99s measured from the streamed responses. `expected_s`: the simulated run's length, for the log."""
     from tqdm.auto import tqdm
 
     from orca_jax.tuning.loadgen import engine_counters, replay, running_server
 
-    print(f"verifying: starting `orca-jax serve --config {toml}` (log: {log}) ...", file=sys.stderr, flush=True)
+    print(f"verifying: starting `orca-jax serve --config {toml}` (log: {log}) for a replay of about "
+          f"{expected_s / 60:.1f} min (--no-verify skips it) ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     with running_server(toml, log) as url:
         ready = time.perf_counter() - start
@@ -260,6 +278,11 @@ def run(args: argparse.Namespace) -> dict:
 
     started = time.perf_counter()
     target = Target(args.slo_ttft_p99, args.slo_tpot_p99, args.arrival_rate)
+    if target.rate is not None and args.cost_margin is not None:
+        raise ValueError("--cost-margin sets the margin under which --max-rate recommends a rate; at a given "
+                         "--arrival-rate there is no rate to choose: drop one of the two")
+    # --max-rate: the rate recommended meets the target with every step `margin` dearer (search.py).
+    margin = None if target.rate is not None else DEFAULT_COST_MARGIN if args.cost_margin is None else args.cost_margin
     space = Space(tuple(args.policies), tuple(args.max_num_seqs), tuple(args.max_num_batched_tokens),
                   tuple(args.kv_cache_memory))
     workload = workload_from_args(args)
@@ -284,59 +307,78 @@ def run(args: argparse.Namespace) -> dict:
     def progress(items):
         return tqdm(items, desc="searching", unit="setting")
 
-    winner, outcomes, refused = search(space, workload, model, target, pages_for, measurement["page_size"], progress)
+    searched = model if margin is None else model.scaled(1 + margin)
+    winner, outcomes, refused = search(space, workload, searched, target, pages_for, measurement["page_size"],
+                                       progress)
     for why, what in grouped(refused).items():
         print(f"refused {', '.join(what) if len(what) <= 3 else f'{len(what)} settings ({what[0]}, ...)'}: {why}",
               file=sys.stderr)
     if not outcomes:
         raise ValueError("the memory plan and the workload leave no settings to try (see the refusals above)")
-    print(table(outcomes, target, winner))
+    print(table(outcomes, target, winner, margin=margin or 0.0))
     if winner is None:
         raise ValueError(f"no settings meet TTFT p99 <= {target.ttft_p99_s} s and TPOT p99 <= {target.tpot_p99_s} s "
                          "even at a trickle of requests: loosen the target or shorten the workload's requests")
     settings = winner.settings
     rate = target.rate if target.rate is not None else winner.capacity
-    predicted = {"rate_rps": rate, "ttft_p99_s": winner.point.ttft_p99_s, "tpot_p99_s": winner.point.tpot_p99_s,
-                 "meets_target": winner.point.meets(target), "steps": winner.point.steps,
-                 "preemptions": winner.point.preemptions, "wall_s": winner.point.end_s}
+    # The nominal capacity, bisected above the recommended rate (which the measured costs meet,
+    # unless the simulated p99s fall with the rate there: the prediction below then says so).
+    nominal = None if margin is None else find_capacity(settings, workload, model, target, best=rate).capacity
+    # The prediction at the rate served, at the measured costs (with a margin, the search priced its
+    # runs dearer); its requests are also per_request's simulated columns.
+    simulated = simulate_at(settings, workload, rate, model)
+    ttft, tpot = p99(simulated.ttft_s()), p99(simulated.tpot_s())
+    predicted = {"rate_rps": rate, "ttft_p99_s": ttft, "tpot_p99_s": tpot,
+                 "meets_target": ttft <= target.ttft_p99_s and tpot <= target.tpot_p99_s,
+                 "steps": simulated.num_steps, "preemptions": simulated.num_preemptions, "wall_s": simulated.end_s}
+    rates = (f"recommended rate {rate:.3g} req/s (it meets the target with every step {margin:.0%} dearer than "
+             f"measured; nominal capacity {nominal:.3g} req/s)" if margin is not None else f"{rate:.3g} req/s")
+    print(rates, file=sys.stderr)
+    if nominal is not None and rate < nominal / 2:
+        print(f"the recommended rate is {rate / nominal:.0%} of the nominal capacity: near this target the p99s grow "
+              "fast with the step cost (the sensitivity line below); a looser target, a quieter or faster machine or "
+              "a smaller --cost-margin leaves more room", file=sys.stderr)
     header = [f"orca-jax tune, {datetime.date.today()}: {describe(list(workload.lengths))}",
-              f"target TTFT p99 <= {target.ttft_p99_s} s, TPOT p99 <= {target.tpot_p99_s} s; predicted at "
-              f"{rate:.3g} req/s: TTFT p99 {predicted['ttft_p99_s']:.3f} s, TPOT p99 {predicted['tpot_p99_s']:.3f} s"]
+              f"target TTFT p99 <= {target.ttft_p99_s} s, TPOT p99 <= {target.tpot_p99_s} s; {rates}",
+              f"predicted there: TTFT p99 {ttft:.3f} s, TPOT p99 {tpot:.3f} s"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(settings_toml(args, settings, header))
     print(f"settings: {settings.label} -> {args.out}", file=sys.stderr)
     measured = results = None
     if not args.no_verify:
         log = (args.report or args.out).with_suffix(".server.log")
-        results, measured = verify(args.out, workload, prompts_for(workload, measurement, args.seed), rate, log)
+        results, measured = verify(args.out, workload, prompts_for(workload, measurement, args.seed), rate, log,
+                                   simulated.end_s)
         measured["meets_target"] = (measured["ok"] == measured["requests"] and measured["ttft_p99_s"] <= target.ttft_p99_s
                                     and measured["tpot_p99_s"] <= target.tpot_p99_s)
         if measured["errors"]:
             print(f"failed requests in the real run: {measured['errors']}", file=sys.stderr)
-    predicted["step_cost_sensitivity"] = sensitivity(settings, workload, rate, model)
+    spread = margin or DEFAULT_COST_MARGIN
+    predicted["step_cost_sensitivity"] = sensitivity(settings, workload, rate, model, spread)
     low, high = predicted["step_cost_sensitivity"].values()
     print(side_by_side(predicted, measured, target))
-    print(f"with every step 5% cheaper / dearer: TTFT p99 {low['ttft_p99_s']:.3f} / {high['ttft_p99_s']:.3f} s, "
-          f"TPOT p99 {low['tpot_p99_s']:.3f} / {high['tpot_p99_s']:.3f} s")
+    print(f"with every step {spread:.0%} cheaper / dearer: TTFT p99 {low['ttft_p99_s']:.3f} / {high['ttft_p99_s']:.3f} "
+          f"s, TPOT p99 {low['tpot_p99_s']:.3f} / {high['tpot_p99_s']:.3f} s")
     steps = (measured or {}).get("steps")
     scale = speed_of_run(settings, workload, rate, model, int(steps)) if steps else None
     if steps and scale is None:
         print(f"the run's {steps:.0f} iterations match no step cost between 0.5x and 2x the measured one")
     elif scale is not None:
-        at = simulate_at(settings, workload, rate, model, scale)
+        at = simulate_at(settings, workload, rate, model.scaled(scale))
         predicted["at_run_speed"] = {"step_scale": scale, "ttft_p99_s": p99(at.ttft_s()), "tpot_p99_s": p99(at.tpot_s())}
-        print(f"the run's {measured['steps']:.0f} iterations match steps {scale:.2f}x their measured cost; at that speed "
-              f"the simulation predicts TTFT p99 {predicted['at_run_speed']['ttft_p99_s']:.3f} s, TPOT p99 "
+        beyond = (f", beyond the {margin:.0%} margin the rate was chosen under"
+                  if margin is not None and scale > 1 + margin else "")
+        print(f"the run's {measured['steps']:.0f} iterations match steps {scale:.2f}x their measured cost{beyond}; at "
+              f"that speed the simulation predicts TTFT p99 {predicted['at_run_speed']['ttft_p99_s']:.3f} s, TPOT p99 "
               f"{predicted['at_run_speed']['tpot_p99_s']:.3f} s")
     plot_path = args.plot or (args.report.with_suffix(".png") if args.report else Path("tune.png"))
-    print(plot(outcomes, target, plot_path), file=sys.stderr)
+    print(plot(outcomes, target, plot_path, margin or 0.0), file=sys.stderr)
     report = {
-        "settings": {"policy": settings.policy, "max_num_seqs": settings.max_num_seqs,
-                     "max_num_batched_tokens": settings.max_num_batched_tokens,
-                     "kv_cache_memory": settings.kv_cache_memory, "num_kv_pages": settings.num_pages,
-                     "page_size": settings.page_size},
-        "predicted": predicted, "measured": measured,
-        "per_request": per_request(simulate_at(settings, workload, rate, model), results),
+        "settings": settings.to_json(), "predicted": predicted, "measured": measured,
+        # --max-rate: predicted["rate_rps"] is the recommended rate, the largest meeting the target
+        # with every step cost_margin dearer; the nominal capacity meets it at the measured costs.
+        "nominal_capacity_rps": nominal, "cost_margin": margin,
+        "per_request": per_request(simulated, results),
         "target": {"ttft_p99_s": target.ttft_p99_s, "tpot_p99_s": target.tpot_p99_s, "arrival_rate_rps": target.rate},
         "workload": {"description": describe(list(workload.lengths)), "file": str(args.workload or ""),
                      "lengths": workload.lengths, "unit_arrivals": workload.unit_arrivals},

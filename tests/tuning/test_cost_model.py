@@ -121,3 +121,16 @@ def test_noisy_timings_are_not_priced_below_their_total(seed):
     fitted = fit(rows)
     priced = sum(fitted.device_seconds(t.chunks, t.token_bucket, t.seq_bucket) for t in rows)
     assert priced == pytest.approx(sum(t.seconds for t in rows), rel=0.01)
+
+
+def test_a_scaled_model_prices_every_step_that_many_times_over():
+    """`tune --max-rate` searches with every step priced (1 + margin) times: every term scales, the
+    host's and the decode rows' beside a chunk included, so no kind of step escapes the margin."""
+    model = dataclasses.replace(TRUE, prefill_per_1k_decode_attended_s=0.004, host_s_per_step=0.003,
+                                host_s_per_seq=0.0004)
+    steps = [SimStep(((300, 1),) * 5), SimStep(((0, 100),)), SimStep(((1024, 1),) * 40 + ((64, 88),)),
+             SimStep(((10, 1),) * 3, num_padding_seqs=2), SimStep(((0, 48),) * 3)]  # 48: between token buckets
+    price, dearer = (m.pricer(max_num_seqs=64, max_num_batched_tokens=1024) for m in (model, model.scaled(1.1)))
+    for step in steps:
+        assert dearer(step) == pytest.approx(1.1 * price(step), rel=1e-12)
+    assert model.scaled(1.1).fit_error == model.fit_error and model.scaled(1.0) == model

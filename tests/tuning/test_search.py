@@ -10,7 +10,7 @@ import pytest
 from orca_jax.config import ConfigError, ParallelConfig, load_model_preset
 from orca_jax.parallel.memory_plan import plan_memory
 from orca_jax.tuning.cost_model import CostModel
-from orca_jax.tuning.search import Space, Target, run_point, search
+from orca_jax.tuning.search import RATE_RESOLUTION, Space, Target, run_point, search
 from orca_jax.tuning.workload import WorkloadSpec, workload_of_spec
 
 
@@ -144,9 +144,51 @@ def test_a_runs_iteration_count_tells_its_speed():
                                              output_dist="uniform", output_len=(8, 64), arrival="poisson", seed=1))
     model = decode_only(0.02, 0.01)
     settings = Settings("chunked", 8, 64, 1 << 20, ample_pages(1 << 20), 16)
-    slower = simulate_at(settings, workload, 2.0, model, step_scale=1.15)
+    slower = simulate_at(settings, workload, 2.0, model.scaled(1.15))
     assert simulate_at(settings, workload, 2.0, model).num_steps > slower.num_steps + 100  # the premise
     assert speed_of_run(settings, workload, 2.0, model, slower.num_steps) == pytest.approx(1.15, rel=0.02)
     # A count no scale in [0.5, 2] gives is not named as the nearest bound.
     assert speed_of_run(settings, workload, 2.0, model, 1) is None
     assert speed_of_run(settings, workload, 2.0, model, 10**9) is None
+
+
+def mixed_costs() -> CostModel:
+    """Every kind of term at work: prompt and decode attention, per-sequence and host costs."""
+    return CostModel({s: 0.01 + 0.002 * s for s in (1, 2, 4, 8, 16)}, 0.003,
+                     {t: 0.01 + 0.0004 * t for t in (16, 32, 64, 128, 256)}, 0.0005, 0.0008,
+                     host_s_per_step=0.002, host_s_per_seq=0.0002, prefill_per_1k_decode_attended_s=0.003)
+
+
+def test_a_cost_margin_lowers_the_rate_by_the_expected_amount():
+    """Every step k times dearer is every time k times longer: the search with the margin runs the
+    search at the nominal costs under targets 1 / k as long with every rate divided by k (the same
+    decisions, scaled), so its capacities are those / k, below the nominal capacity / k. At the
+    recommended rate the nominal costs predict p99s under the target."""
+    workload = workload_of_spec(WorkloadSpec(num_requests=120, prompt_dist="zipf", prompt_len=(8, 200),
+                                             output_dist="zipf", output_len=(4, 64), arrival="poisson", seed=4))
+    model, k = mixed_costs(), 1.1
+    target = Target(ttft_p99_s=0.3, tpot_p99_s=0.06)  # the TTFT tail binds: queueing, not saturation
+    space = Space(policies=("chunked", "orca"), max_num_seqs=(4, 8, 16), max_num_batched_tokens=(64, 256),
+                  kv_cache_memory=(1 << 20,))
+    nominal, _, _ = search(space, workload, model, target, ample_pages, page_size=16)
+    winner, outcomes, _ = search(space, workload, model.scaled(k), target, ample_pages, page_size=16)
+    tight, tight_outcomes, _ = search(space, workload, model, Target(target.ttft_p99_s / k, target.tpot_p99_s / k),
+                                      ample_pages, page_size=16)
+    assert winner.settings == tight.settings and len({o.capacity for o in outcomes}) > 3
+    for o, t in zip(outcomes, tight_outcomes):  # each candidate's capacity, not only the winner's
+        assert o.capacity == pytest.approx(t.capacity / k, rel=1e-9), o.settings.label
+    recommended = winner.capacity
+    # The TTFT tail is steeper than the rate: more than 1 / k off, beyond the bisection's resolution.
+    assert recommended < nominal.capacity / k / (1 + RATE_RESOLUTION)
+    at = run_point(winner.settings, workload, recommended, model)
+    assert at.meets(target) and at.ttft_p99_s < winner.point.ttft_p99_s
+    assert run_point(winner.settings, workload, recommended, model.scaled(k)).meets(target)
+
+
+def test_settings_round_trip_through_a_reports_json():
+    """bench_tune.py and ttft_breakdown.py read a report's settings back with from_json."""
+    from orca_jax.tuning.search import Settings
+
+    settings = Settings("chunked", 64, 128, 512 << 20, 728, 16)
+    assert Settings.from_json(settings.to_json()) == settings
+    assert settings.to_json()["num_kv_pages"] == 728  # the report's key, as bench_tune reads it

@@ -37,6 +37,10 @@ def test_tune_on_the_tiny_model_writes_a_toml_the_server_starts_with(tmp_path):
     for side in (predicted, measured):
         assert side["ttft_p99_s"] > 0 and side["tpot_p99_s"] > 0 and side["rate_rps"] > 0
     assert measured["rate_rps"] == predicted["rate_rps"]
+    # It was served at the recommended rate, the largest that meets the target with every step 10%
+    # dearer: below the nominal capacity, which the report and the TOML's header give beside it.
+    assert data["cost_margin"] == 0.1 and data["nominal_capacity_rps"] > predicted["rate_rps"]
+    assert f"nominal capacity {data['nominal_capacity_rps']:.3g} req/s" in out.read_text()
     # Each request's TTFT and TPOT, simulated and measured side by side, make up the p99s above.
     rows = data["per_request"]
     assert len(rows) == 40 and all(r["ttft_s"] > 0 and r["sim_ttft_s"] > 0 and r["send_lag_s"] >= 0 for r in rows)
@@ -64,6 +68,7 @@ def test_tune_on_the_tiny_model_writes_a_toml_the_server_starts_with(tmp_path):
     (["--prompt-len-dist", "zipf:0:10"], "give zipf:LO:HI[:ALPHA]"),
     (["--max-num-seqs", "8,x"], "positive integers"),
     (["--kv-cache-memory", "1 parsec"], "cannot read"),
+    (["--cost-margin", "-0.1"], "give a fraction >= 0"),
 ])
 def test_bad_arguments_name_the_problem(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -81,3 +86,8 @@ def test_a_workload_longer_than_the_model_is_an_error_line(tmp_path, capsys):
                  "--prompt-len-dist", "equal:100", "--output-len-dist", "equal:100", "--kv-cache-memory", "1MiB",
                  "--cost-model", str(tmp_path / "m.json"), "--no-verify", "--out", str(tmp_path / "t.toml")])
     assert code == 2 and "more than max_model_len=128" in capsys.readouterr().err
+
+
+def test_a_cost_margin_at_a_given_rate_is_an_error_line(capsys):
+    code = main(["tune", "--slo-ttft-p99", "1", "--slo-tpot-p99", "0.1", "--arrival-rate", "2", "--cost-margin", "0.2"])
+    assert code == 2 and "--cost-margin sets the margin under which --max-rate recommends" in capsys.readouterr().err
