@@ -15,9 +15,8 @@ transformers', batched and alone)."""
 import dataclasses
 from collections.abc import Callable
 
-import pytest
-
 import numpy as np
+import pytest
 
 from orca_jax.checkpoint.train_tiny import counting_sequence
 
@@ -73,7 +72,7 @@ def greedy_tokens_count_on(requests, batched, solo):
 
 
 def the_layers_matter(requests, batched, solo):
-    """Random weights that give more than one token on repeat."""
+    """The random weights' layers matter: the solo runs give more than 5 distinct tokens, not one on repeat."""
     assert len({t for o in solo for t in o.outputs[0].token_ids}) > 5
 
 

@@ -14,9 +14,10 @@ from ..conftest import require_native
 # The XLA path assumes the engine's calls (a segment's tokens are its latest positions, consecutive),
 # which every batch of make_batch is; it joins the tests whose batches are not edited by hand.
 KERNELS = ["pallas-interpret", "native"]
-# XLA's path compiles slowly on a CPU (about a minute of `make test-fast` on 2 cores for its cases
-# here and in test_window_and_soft_cap.py): `heavy`, as the Pallas kernel in interpret mode is.
-# test-fast still runs it through the model (tests/model/test_paged_attention.py, the tiny-xla runner).
+# XLA's path is the slowest here on a CPU (compiling each batch: seconds a case, about an eighth of
+# `make test-fast` for its cases here and in test_window_and_soft_cap.py): `heavy`, as the Pallas
+# kernel in interpret mode is. test-fast still runs it through the model (tests/model/
+# test_paged_attention.py, the batched == solo matrix's tiny-xla case).
 XLA = pytest.param("xla", marks=pytest.mark.heavy)
 
 
