@@ -6,7 +6,8 @@ section, each in its own process under its own time limit.
     python bench/gpu_check.py --smoke     # the same code at tiny shapes on CPU (`make gpu-dry-run`)
     python bench/gpu_check.py --sections kernels,engine --out results.json   # some sections only
 
-1. tests: `pytest -m gpu tests/gpu tests/engine/test_batched_equals_solo.py` in a subprocess (on CPU they are all skipped, which it reports).
+1. tests: `pytest -m gpu tests/gpu tests/engine/test_batched_equals_solo.py` (GPU_TESTS) in a
+   subprocess (on CPU they are all skipped, which it reports).
 2. kernels: at Llama-3-8B (32 / 8 heads x 128) and 13B-like (40 / 40 x 128) shapes, bf16 and f32, for
    a decode batch, a prefill and a mixed batch: the largest |error| of the Pallas kernel and of the XLA
    implementation against the reference (computed in full float32), and their times.
