@@ -3,7 +3,8 @@
 //   - at namespace scope (ORCA_KERNEL_ISA not defined): the lane count and GCC's 16-lane vector
 //     types, in namespace orca_vec16;
 //   - at the top of each kernel file, inside the variant's namespace and `#pragma GCC target` region
-//     (ORCA_KERNEL_ISA: 0 AVX-512, 1 AVX2, 2 baseline, as per_isa.h numbers them): that variant's
+//     (ORCA_KERNEL_ISA: 0 AVX-512, 1 AVX2, 2 baseline, as per_isa.h numbers them; the int8 kernel
+//     maps its five variants onto these): that variant's
 //     vector `V` (and 16-int32 mask `VI`) and the operations on it, compiled for that instruction set
 //     (GCC refuses to inline intrinsics into a function compiled for less).
 //
