@@ -4,9 +4,9 @@
 //     types, in namespace orca_vec16;
 //   - at the top of each kernel file, inside the variant's namespace and `#pragma GCC target` region
 //     (ORCA_KERNEL_ISA: 0 AVX-512, 1 AVX2, 2 baseline, as per_isa.h numbers them; the int8 kernel
-//     maps its five variants onto these): that variant's
-//     vector `V` (and 16-int32 mask `VI`) and the operations on it, compiled for that instruction set
-//     (GCC refuses to inline intrinsics into a function compiled for less).
+//     maps its five variants onto these): that variant's vector `V` (and 16-int32 mask `VI`) and
+//     the operations on it, compiled for that instruction set (GCC refuses to inline intrinsics
+//     into a function compiled for less).
 //
 // AVX-512 and the baseline use GCC's 16-lane vector extension (one zmm register; four xmm ones on
 // the baseline). AVX2 uses a pair of 8-lane vectors instead: GCC lowers 16-lane vectors for AVX2
