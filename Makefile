@@ -53,8 +53,8 @@ test: setup pull
 
 # The edit loop's subset: the tiny models only (no SmolLM2: `slow`), in this one process (no CLI
 # runs, servers, multi-host jobs: `multiprocess`), without the modules that compile engines in many
-# configurations or Pallas in interpret mode (`heavy`); markers set by tests/conftest.py. `make
-# test` stays the whole suite.
+# configurations, Pallas in interpret mode or XLA's attention kernel alone (`heavy`); markers set by
+# tests/conftest.py and the kernel tests. `make test` stays the whole suite.
 .PHONY: test-fast
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not multiprocess and not heavy and not installed and not gpu" tests

@@ -6,7 +6,8 @@ section, each in its own process under its own time limit.
     python bench/gpu_check.py --smoke     # the same code at tiny shapes on CPU (`make gpu-dry-run`)
     python bench/gpu_check.py --sections kernels,engine --out results.json   # some sections only
 
-1. tests: `pytest -m gpu tests/gpu` in a subprocess (on CPU they are all skipped, which it reports).
+1. tests: `pytest -m gpu tests/gpu tests/engine/test_batched_equals_solo.py` (GPU_TESTS) in a
+   subprocess (on CPU they are all skipped, which it reports).
 2. kernels: at Llama-3-8B (32 / 8 heads x 128) and 13B-like (40 / 40 x 128) shapes, bf16 and f32, for
    a decode batch, a prefill and a mixed batch: the largest |error| of the Pallas kernel and of the XLA
    implementation against the reference (computed in full float32), and their times.
@@ -61,6 +62,9 @@ BANDWIDTH = [("H200", 4.8e12), ("GH200", 4.0e12), ("H100 NVL", 3.9e12), ("H100 P
              ("L4", 0.3e12), ("A10", 0.6e12), ("RTX 4090", 1.008e12)]
 KERNEL_SHAPES = {"llama3-8b": (32, 8, 128), "llama2-13b": (40, 40, 128)}  # heads, KV heads, head dim
 SECTIONS = ("tests", "kernels", "engine")
+# Where the `gpu` tests are (bench/gpu_run.sh names the same): tests/gpu and the GPU cases of the
+# batched == solo matrix.
+GPU_TESTS = ("tests/gpu", "tests/engine/test_batched_equals_solo.py")
 LLAMA3_8B = ModelConfig(name="llama3-8b-dummy", architecture="llama", vocab_size=128256, d_model=4096, n_layers=32,
                         n_heads=32, n_kv_heads=8, d_ff=14336, max_position=8192, rope_theta=500000.0,
                         tie_word_embeddings=False, dtype="bfloat16")
@@ -96,7 +100,7 @@ def run_gpu_tests(timeout: float) -> dict:
         report = Path(tmp) / "report.xml"
         start = time.perf_counter()
         try:
-            done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p",
+            done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", *GPU_TESTS, "-p",
                                    "no:cacheprovider", f"--junitxml={report}"], cwd=REPO, capture_output=True,
                                   text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": python_path})
         except subprocess.TimeoutExpired:
@@ -260,10 +264,10 @@ def table(result: dict) -> str:
     lines = ["| check | case | figures |", "|---|---|---|"]
     tests = result.get("tests")
     if tests is not None and "error" in tests:
-        lines.append(f"| gpu tests | tests/gpu | {tests['error']} |")
+        lines.append(f"| gpu tests | {' '.join(GPU_TESTS)} | {tests['error']} |")
     elif tests is not None:
         passed = tests.get("tests", 0) - tests.get("failures", 0) - tests.get("errors", 0) - tests.get("skipped", 0)
-        lines.append(f"| gpu tests | tests/gpu | {passed} passed, {tests.get('failures', 0) + tests.get('errors', 0)} "
+        lines.append(f"| gpu tests | {' '.join(GPU_TESTS)} | {passed} passed, {tests.get('failures', 0) + tests.get('errors', 0)} "
                      f"failed, {tests.get('skipped', 0)} not run ({tests['seconds']:.0f} s) |")
     lines += [kernel_line(row) for row in result.get("kernels", [])]
     for name, error in result.get("errors", {}).items():

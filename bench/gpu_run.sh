@@ -104,7 +104,9 @@ print("devices:", jax.devices())'
 # GPU that fails to start is an error, not every test skipped); the CPU stays the default device.
 PLATFORMS=()
 [ "$SMOKE" = 1 ] || PLATFORMS=(env JAX_PLATFORMS=cpu,cuda)
-section tests "$TESTS_S" "${PLATFORMS[@]}" "$PYTHON" -m pytest -v -m gpu tests/gpu -p no:cacheprovider \
+# (Where they are: tests/gpu and the batched == solo matrix's GPU cases, as bench/gpu_check.py's GPU_TESTS.)
+section tests "$TESTS_S" "${PLATFORMS[@]}" "$PYTHON" -m pytest -v -m gpu tests/gpu tests/engine/test_batched_equals_solo.py \
+    -p no:cacheprovider \
     --junitxml="$OUT/tests.xml"
 
 # gpu_check.py, one process per section (each starts its own backend, under its own limit).

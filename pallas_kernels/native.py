@@ -56,7 +56,7 @@ SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 SOURCE = SOURCE_DIR / "ragged_paged_attention.cc"
 # One library holds every native kernel (they share the variant selection below).
 SOURCES = (SOURCE, SOURCE_DIR / "quantized_matmul.cc", SOURCE_DIR / "quantized_matmul_int8.cc")
-HEADERS = (SOURCE_DIR / "parallel_for.h", SOURCE_DIR / "per_isa.h", SOURCE_DIR / "quantized_matmul.h",
+HEADERS = (SOURCE_DIR / "parallel_for.h", SOURCE_DIR / "per_isa.h", SOURCE_DIR / "vec16.h", SOURCE_DIR / "quantized_matmul.h",
            SOURCE_DIR / "ragged_paged_attention_kernel.inc", SOURCE_DIR / "quantized_matmul_kernel.inc",
            SOURCE_DIR / "quantized_matmul_kquants.inc", SOURCE_DIR / "quantized_matmul_int8_kernel.inc")
 TARGET = "orca_ragged_paged_attention"

@@ -66,7 +66,7 @@ HEAVY_MODULES = frozenset({
     "test_draft_model_engine", "test_parallel_engine", "test_hf_families", "test_matmul_impl",
     "test_small_buckets", "test_speculative_engine", "test_dummy_weights",
     "test_engine_bfloat16", "test_kquant_serving", "test_program_keys", "test_rejection_sampling",
-    "test_speculative_config",
+    "test_speculative_config", "test_speculative_metrics",
 })
 
 
@@ -87,7 +87,8 @@ def pytest_collection_modifyitems(config, items):
     if gpu_devices():
         return
     skip = pytest.mark.skip(reason=f"needs a GPU; this machine has only {jax.default_backend()} devices "
-                                   "(on a GPU machine: python -m pytest -m gpu tests/gpu, or bench/gpu_check.py)")
+                                   "(on a GPU machine: bench/gpu_run.sh, or python -m pytest -m gpu tests/gpu "
+                                   "tests/engine/test_batched_equals_solo.py)")
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
@@ -349,3 +350,73 @@ def smollm2_gguf_runner(smollm2_gguf):
 @pytest.fixture(scope="session")
 def smollm2_int8_runner(smollm2_int8):
     return warm_smollm2_runner(smollm2_int8, token_buckets=(16, 128))
+
+
+# ---- on a GPU (`gpu` tests: skipped where there is none, before these fixtures are reached) ----
+
+def warm_gpu_runner(loaded, tp=1, token_buckets=(32, 128), seq_buckets=(8,), num_pages=96, max_model_len=2048,
+                    weights=None):
+    """`loaded`'s runner on the first `tp` GPUs (skips where there are fewer): Pallas attention,
+    float32 at matmul precision "highest" (no TF32), page size 16."""
+    from orca_jax.engine.step_plan import Buckets
+    from orca_jax.engine_args import config_from_keywords
+    from orca_jax.runner.model_runner import ModelRunner
+
+    devices = gpu_devices()
+    if len(devices) < tp:
+        pytest.skip(f"tp={tp} needs {tp} GPUs, this machine has {len(devices)}")
+    runner = ModelRunner(loaded.model, config_from_keywords(page_size=16, tensor_parallel_size=tp), num_pages=num_pages,
+                         max_model_len=max_model_len, buckets=Buckets(tokens=token_buckets, seqs=seq_buckets),
+                         devices=devices[:tp], weights=weights)
+    runner.warm_up(show_progress=False)
+    return runner
+
+
+@pytest.fixture(scope="session")
+def tiny_gpu_runner(tiny_trained):
+    """The committed tiny model (needs no download) on the GPU."""
+    runner = warm_gpu_runner(tiny_trained, token_buckets=(16, 64), seq_buckets=(4, 8), max_model_len=128)
+    assert runner.attention_impl == "pallas" and runner.matmul_precision == "highest"
+    return runner
+
+
+@pytest.fixture(scope="session")
+def llama3_8b_dummy():
+    """Nothing carried: Llama-3-8B's shapes (GQA 32:8 x 128, d 4096, d_ff 14336, 128256 tokens) at 2
+    of its 32 layers in float32, as a loaded model without weights or tokenizer: its runner makes
+    seeded random weights on the GPU (`--load-format dummy`, scaled so the top token leads by far
+    more than rounding)."""
+    from types import SimpleNamespace
+
+    from orca_jax.config import load_model_preset
+    from orca_jax.model.decoder import abstract_decoder
+
+    config = dataclasses.replace(load_model_preset("llama-3-8b"), n_layers=2, dtype="float32")
+    return SimpleNamespace(path=config.name, config=config, model=abstract_decoder(config), tokenizer=None)
+
+
+@pytest.fixture(scope="session")
+def llama3_8b_dummy_gpu_runner(llama3_8b_dummy):
+    from orca_jax.checkpoint.dummy import DummyWeights
+
+    runner = warm_gpu_runner(llama3_8b_dummy, token_buckets=(16, 128), num_pages=64, max_model_len=256,
+                             weights=DummyWeights(seed=0))
+    assert runner.attention_impl == "pallas" and runner.matmul_precision == "highest"
+    return runner
+
+
+@pytest.fixture(scope="session")
+def smollm2_here():
+    """SmolLM2 cannot travel to the GPU machine lent for a run: say so instead of trying to pull it."""
+    if not (REPO_ROOT / "checkpoints" / SMOLLM2 / "model.toml").is_file():
+        pytest.skip(f"checkpoints/{SMOLLM2} is not on this machine: a lent GPU machine has no network to pull it "
+                    "and takes at most 64 MiB along (the converted checkpoint is 337 MB); where it can be "
+                    f"copied or pulled (`orca-jax pull {SMOLLM2}`), these tests run")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gpu_runner(smollm2_here, smollm2):
+    runner = warm_gpu_runner(smollm2)
+    assert runner.attention_impl == "pallas" and runner.matmul_precision == "highest"
+    return runner
+

@@ -27,8 +27,8 @@
 // other fused multiply-add written out is in dequantizing, where q * d is exact in f32 (an 11-bit
 // f16 scale times an integer of at most 5 bits; a K-quant's sub-block scale d * sc, 17 bits, times
 // a 5-bit q), so fusing changes no bit (the .inc file says more). Each
-// variant's 16-float vector (one AVX-512 register, two AVX2 ones, GCC's generic vector on the
-// baseline, whose fma is libm's) does the same lane arithmetic, so every variant gives the same bits.
+// variant's 16-float vector (vec16.h: one AVX-512 register, two AVX2 ones, GCC's generic vector on
+// the baseline, whose fma is libm's) does the same lane arithmetic, so every variant gives the same bits.
 
 #pragma GCC optimize("fp-contract=off")
 
@@ -78,21 +78,6 @@ ItemFn pick_isa() {
   return base::item<F>;
 }
 
-ItemFn pick(Format f) {
-  switch (f) {
-    case Format::kQ4_0: return pick_isa<Format::kQ4_0>();
-    case Format::kQ4_1: return pick_isa<Format::kQ4_1>();
-    case Format::kQ8_0: return pick_isa<Format::kQ8_0>();
-    case Format::kQ5_0: return pick_isa<Format::kQ5_0>();
-    case Format::kQ5_1: return pick_isa<Format::kQ5_1>();
-    case Format::kQ4_K: return pick_isa<Format::kQ4_K>();
-    case Format::kQ5_K: return pick_isa<Format::kQ5_K>();
-    case Format::kQ6_K: return pick_isa<Format::kQ6_K>();
-    case Format::kInt8: return pick_isa<Format::kInt8>();
-    default: return pick_isa<Format::kF32>();
-  }
-}
-
 ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                            ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> num_rows,
                            ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t format, int32_t int8_activations) {
@@ -133,7 +118,7 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
     int8_activations_matmul(pool, p, f, OrcaNativeIsa());
     return ffi::Error::Success();
   }
-  const ItemFn run = pick(f);
+  const ItemFn run = with_format(f, []<Format F>() { return pick_isa<F>(); });
   const int64_t items = (p.out_features + kRowsPerItem - 1) / kRowsPerItem;
   orca_native::parallel_for(pool, items, [&](int64_t i) {
     run(p, i * kRowsPerItem, std::min<int64_t>((i + 1) * kRowsPerItem, p.out_features));

@@ -6,16 +6,17 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace orca_qmm {
 
-constexpr int kLanes = 16;
+using orca_vec16::kLanes;
+using orca_vec16::vf;
+using orca_vec16::vi;
 constexpr int kBlock = 32;  // weights per block
 constexpr int kRowsPerItem = 32;  // work item: output rows one thread takes at a time (both kernels)
 
-using vf = float __attribute__((vector_size(4 * kLanes)));
-using vi = int32_t __attribute__((vector_size(4 * kLanes)));
 using vb = uint8_t __attribute__((vector_size(kLanes)));
 using vsb = int8_t __attribute__((vector_size(kLanes)));
 
@@ -25,6 +26,24 @@ enum class Format : int {
   kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kInt8 = 3, kF32 = 4, kQ5_0 = 5, kQ5_1 = 6, kQ4_K = 7, kQ5_K = 8, kQ6_K = 9
 };
 constexpr int kNumFormats = 10;
+
+// pick.template operator()<F>() for the F that f names: the one switch from a format number to a
+// kernel's instantiation, for both matmul kernels (`pick` a lambda template<Format F>).
+template <typename Pick>
+auto with_format(Format f, Pick pick) {
+  switch (f) {
+    case Format::kQ4_0: return pick.template operator()<Format::kQ4_0>();
+    case Format::kQ4_1: return pick.template operator()<Format::kQ4_1>();
+    case Format::kQ8_0: return pick.template operator()<Format::kQ8_0>();
+    case Format::kQ5_0: return pick.template operator()<Format::kQ5_0>();
+    case Format::kQ5_1: return pick.template operator()<Format::kQ5_1>();
+    case Format::kQ4_K: return pick.template operator()<Format::kQ4_K>();
+    case Format::kQ5_K: return pick.template operator()<Format::kQ5_K>();
+    case Format::kQ6_K: return pick.template operator()<Format::kQ6_K>();
+    case Format::kInt8: return pick.template operator()<Format::kInt8>();
+    default: return pick.template operator()<Format::kF32>();
+  }
+}
 
 constexpr bool is_k_quant(Format f) { return f == Format::kQ4_K || f == Format::kQ5_K || f == Format::kQ6_K; }
 // 32-weight blocks in one stored block: a K-quant super-block holds 8 (256 weights).

@@ -107,20 +107,6 @@ ItemFn pick_isa(int isa) {
   return base::item<F>;
 }
 
-ItemFn pick(Format f, int isa) {
-  switch (f) {
-    case Format::kQ4_0: return pick_isa<Format::kQ4_0>(isa);
-    case Format::kQ4_1: return pick_isa<Format::kQ4_1>(isa);
-    case Format::kQ8_0: return pick_isa<Format::kQ8_0>(isa);
-    case Format::kQ5_0: return pick_isa<Format::kQ5_0>(isa);
-    case Format::kQ5_1: return pick_isa<Format::kQ5_1>(isa);
-    case Format::kQ4_K: return pick_isa<Format::kQ4_K>(isa);
-    case Format::kQ5_K: return pick_isa<Format::kQ5_K>(isa);
-    case Format::kQ6_K: return pick_isa<Format::kQ6_K>(isa);
-    default: return pick_isa<Format::kInt8>(isa);
-  }
-}
-
 }  // namespace
 
 void int8_activations_matmul(xla::ffi::ThreadPool& pool, const Problem& p, Format f, int isa) {
@@ -135,7 +121,14 @@ void int8_activations_matmul(xla::ffi::ThreadPool& pool, const Problem& p, Forma
   // A few KB per token: quantized on the calling thread, before the rows are shared out.
   const QuantizeFn quantize = pick_quantize(isa);
   for (int64_t t = 0; t < p.tokens; ++t) quantize(p, t, q_offset(f), a);
-  const ItemFn run = pick(f, isa);
+  // (f32 rows have no int8 path: the handler refuses them before calling this.)
+  const ItemFn run = with_format(f, [isa]<Format F>() -> ItemFn {
+    if constexpr (F == Format::kF32) {
+      return nullptr;
+    } else {
+      return pick_isa<F>(isa);
+    }
+  });
   const int64_t items = (p.out_features + kRowsPerItem - 1) / kRowsPerItem;
   orca_native::parallel_for(pool, items, [&](int64_t i) {
     run(p, a, i * kRowsPerItem, std::min<int64_t>((i + 1) * kRowsPerItem, p.out_features));

@@ -15,8 +15,8 @@
 // while this one is computed: pages lie anywhere, so the hardware prefetcher cannot guess them.
 // Items are spread over XLA's intra-op thread pool; the calling thread works too.
 //
-// Arithmetic is on logical 16-float vectors; the kernel (ragged_paged_attention_kernel.inc, which
-// says how each instruction set holds them) is compiled for AVX-512, AVX2+FMA and baseline x86-64
+// Arithmetic is on 16-float vectors (vec16.h, which says how each instruction set holds them); the
+// kernel (ragged_paged_attention_kernel.inc) is compiled for AVX-512, AVX2+FMA and baseline x86-64
 // (or plain, elsewhere); the best the CPU has is picked at load, and a lower one may be selected
 // (OrcaNativeSelectIsa) to test or time it. No -march=native: the .so may move between machines.
 
@@ -40,6 +40,7 @@
 #endif
 
 #include "parallel_for.h"
+#include "vec16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -47,13 +48,9 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kRunTokens = 16;  // tokens of one segment sharing an item (prefill): K/V reuse
-constexpr int kLanes = 16;      // floats per vector, and keys per chunk
+using orca_vec16::kLanes;  // floats per vector, and keys per chunk
 // Finite, as in the Pallas kernel: exp(MASK - MASK) stays finite; masked scores are also zeroed.
 constexpr float kMask = -0.7f * 3.4028234663852886e38f;
-
-// The 16-lane vectors of the AVX-512 and baseline variants (AVX2 holds them as pairs: see the .inc).
-using vf = float __attribute__((vector_size(4 * kLanes)));
-using vi = int32_t __attribute__((vector_size(4 * kLanes)));
 
 struct Item {
   int64_t start, count;  // tokens [start, start + count): one segment's, or all padding

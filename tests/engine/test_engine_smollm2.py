@@ -17,12 +17,21 @@ EXTRA_PROMPTS = [
 ]
 
 
-def smollm2_requests(tokenizer, smollm2_reference) -> list[tuple[list[int], int]]:
+def smollm2_requests(tokenizer, smollm2_reference, extra_prompts=EXTRA_PROMPTS) -> list[tuple[list[int], int]]:
     """Reference prompts plus others: 9 requests for 8 slots, prompt lengths 5..35 tokens (around
     the page size of 16), outputs of 3..20 tokens: [(prompt_token_ids, max_tokens)]."""
     prompts = [c["prompt_ids"] for c in smollm2_reference["cases"]]
-    prompts += [tokenizer.encode(p) for p in EXTRA_PROMPTS]
+    prompts += [tokenizer.encode(p) for p in extra_prompts]
     return [(p, 3 + (7 * i) % 18) for i, p in enumerate(prompts)]
+
+
+# The GPU tests' requests (tests/gpu/test_gpu.py, and test_batched_equals_solo.py's float32 GPU
+# case): the reference prompts and three short ones, each greedy with logprobs.
+GPU_EXTRA_PROMPTS = ("Once upon a time,", "def softmax(x):", "In 1969, the first")
+
+
+def gpu_requests(tokenizer, smollm2_reference):
+    return [(p, greedy_with_logprobs(m)) for p, m in smollm2_requests(tokenizer, smollm2_reference, GPU_EXTRA_PROMPTS)]
 
 
 @pytest.fixture(scope="module")

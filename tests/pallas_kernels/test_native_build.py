@@ -25,6 +25,15 @@ def fresh_native(monkeypatch, tmp_path):
     _warn_once.cache_clear()
 
 
+def test_every_kernel_source_file_is_in_the_library_key():
+    """The library's file name hashes the sources and headers it names: a file of pallas_kernels/cpu
+    left out of them would let an edit to it reuse the stale library."""
+    named = {path.name for path in native.SOURCES + native.HEADERS}
+    on_disk = {path.name for path in native.SOURCE_DIR.iterdir()}
+    assert on_disk - named == set()  # files the key leaves out
+    assert named - on_disk == set()  # names of files that are gone
+
+
 def test_library_lives_under_the_compilation_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("ORCA_JAX_COMPILATION_CACHE", str(tmp_path))
     path = native.library_path("g++ (test) 1.0", native_cache_dir())

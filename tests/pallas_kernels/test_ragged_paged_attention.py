@@ -14,6 +14,11 @@ from ..conftest import require_native
 # The XLA path assumes the engine's calls (a segment's tokens are its latest positions, consecutive),
 # which every batch of make_batch is; it joins the tests whose batches are not edited by hand.
 KERNELS = ["pallas-interpret", "native"]
+# XLA's path is the slowest here on a CPU (compiling each batch: seconds a case, about an eighth of
+# `make test-fast` for its cases here and in test_window_and_soft_cap.py): `heavy`, as the Pallas
+# kernel in interpret mode is. test-fast still runs it through the model (tests/model/
+# test_paged_attention.py, the batched == solo matrix's tiny-xla case).
+XLA = pytest.param("xla", marks=pytest.mark.heavy)
 
 
 def attend(impl, *args, sm_scale, block_sizes=BlockSizes()):
@@ -84,7 +89,7 @@ def test_mixed_batch_matches_reference(page_size, num_heads, num_kv_heads, head_
 
 
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
-@pytest.mark.parametrize("impl", KERNELS + ["xla"])
+@pytest.mark.parametrize("impl", KERNELS + [XLA])
 def test_decode_only_and_prefill_only(kind, impl):
     rng = np.random.default_rng(1)
     seqs = [(n, 1 if kind == "decode" else n) for n in [1, 15, 16, 17, 70, 3]]
@@ -92,13 +97,15 @@ def test_decode_only_and_prefill_only(kind, impl):
     check(args, tolerance=1e-5, impl=impl)
 
 
-def test_tokens_in_any_order_and_other_block_sizes():
+# (One case per implementation and block size, so the interpreted Pallas ones are `heavy`.)
+@pytest.mark.parametrize("impl, block_q", [("pallas-interpret", 1), ("pallas-interpret", 4), ("pallas-interpret", 32),
+                                           ("native", None)])
+def test_tokens_in_any_order_and_other_block_sizes(impl, block_q):
     rng = np.random.default_rng(2)
     seqs = [(20, 1), (9, 9), (33, 4), (1, 1)]
     args = make_batch(rng, page_size=8, num_heads=4, num_kv_heads=2, head_dim=64, seqs=seqs, shuffle_tokens=True)
-    for block_q in (1, 4, 32):
-        check(args, tolerance=1e-5, block_sizes=BlockSizes(block_q=block_q))
-    check(args, tolerance=1e-5, impl="native")
+    block_sizes = BlockSizes() if block_q is None else BlockSizes(block_q=block_q)
+    check(args, tolerance=1e-5, impl=impl, block_sizes=block_sizes)
 
 
 @pytest.mark.parametrize("impl", KERNELS)

@@ -10,7 +10,7 @@ from orca_jax.model.paged_attention import ragged_paged_attention_xla
 from pallas_kernels import native, ragged_paged_attention, ragged_paged_attention_reference
 
 from ..conftest import require_native
-from .test_ragged_paged_attention import make_batch
+from .test_ragged_paged_attention import XLA, make_batch
 
 PAGE = 8
 
@@ -44,7 +44,7 @@ def restore_isa():
 # Windows shorter than a page, about a page, longer than some prompts, crossing pages; caps on and off.
 @pytest.mark.parametrize("sliding_window, soft_cap", [(3, None), (PAGE + 1, None), (20, 5.0), (None, 2.0),
                                                       (1, 30.0)])
-@pytest.mark.parametrize("impl", ["pallas-interpret", "xla", *native_variants()])
+@pytest.mark.parametrize("impl", ["pallas-interpret", XLA, *native_variants()])
 def test_window_and_cap_match_the_reference(impl, sliding_window, soft_cap):
     rng = np.random.default_rng(7)
     # Decodes at lengths around the page and the window, prefills shorter and longer than the
@@ -61,7 +61,7 @@ def test_window_and_cap_match_the_reference(impl, sliding_window, soft_cap):
     assert np.abs(plain - want).max() > 1e-2
 
 
-@pytest.mark.parametrize("impl", ["pallas-interpret", "xla", "native-" + native_variants()[0].split("-")[1]])
+@pytest.mark.parametrize("impl", ["pallas-interpret", XLA, "native-" + native_variants()[0].split("-")[1]])
 def test_a_windowed_layer_reads_no_page_before_its_window(impl):
     """Pages wholly before every query's window hold NaN: an implementation that read them (even
     to mask them: NaN x 0 is NaN) would give NaN. (The native kernel also skips, per chunk, rows that
