@@ -86,7 +86,7 @@ def cost_margin(text: str) -> float:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not value >= 0:
+    if not 0 <= value < math.inf:  # (NaN fails too)
         raise argparse.ArgumentTypeError(f"{text!r}: give a fraction >= 0, e.g. 0.1 for every step 10% dearer")
     return value
 

@@ -69,6 +69,7 @@ def test_tune_on_the_tiny_model_writes_a_toml_the_server_starts_with(tmp_path):
     (["--max-num-seqs", "8,x"], "positive integers"),
     (["--kv-cache-memory", "1 parsec"], "cannot read"),
     (["--cost-margin", "-0.1"], "give a fraction >= 0"),
+    (["--cost-margin", "inf"], "give a fraction >= 0"),
 ])
 def test_bad_arguments_name_the_problem(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
