@@ -419,4 +419,3 @@ def smollm2_gpu_runner(smollm2_here, smollm2):
     runner = warm_gpu_runner(smollm2)
     assert runner.attention_impl == "pallas" and runner.matmul_precision == "highest"
     return runner
-
