@@ -356,8 +356,9 @@ def smollm2_int8_runner(smollm2_int8):
 
 def warm_gpu_runner(loaded, tp=1, token_buckets=(32, 128), seq_buckets=(8,), num_pages=96, max_model_len=2048,
                     weights=None):
-    """`loaded`'s runner on the first `tp` GPUs (skips where there are fewer): Pallas attention,
-    float32 at matmul precision "highest" (no TF32), page size 16."""
+    """`loaded`'s runner on the first `tp` GPUs (skips where there are fewer): Pallas attention, page
+    size 16, the engine's matmul precision for the model's dtype (a float32 model's: "highest", no
+    TF32; a bfloat16 one's: "default")."""
     from orca_jax.engine.step_plan import Buckets
     from orca_jax.engine_args import config_from_keywords
     from orca_jax.runner.model_runner import ModelRunner
