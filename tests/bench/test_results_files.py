@@ -49,3 +49,31 @@ def test_every_published_figure_names_its_machine_and_has_a_table():
     page = gen_performance.page()
     for path in files:
         assert f"`bench/results/latest/{path.name}`" in page, path.name
+
+
+def test_a_run_of_another_gguf_file_gets_its_own_rows_and_stays_out_of_readme(tmp_path, monkeypatch):
+    """compare_llama_cpp.sh on a Q8_0 file with SERVING=0 (one request only), saved as
+    latest/vs_llama_cpp_<cpu>_<what>.json: its table and heading name Q8_0 and carry no serving rows,
+    and README's headline stays the default file's run even though this one is newer."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(REPO_ROOT / "docs"))
+    import gen_performance
+
+    default = json.loads((LATEST / "vs_llama_cpp_zen4.json").read_text())
+    other = {key: value for key, value in default.items() if key != "serving"}
+    other["llama_server_single_stream_tok_s"] = {"q8_0": [50.0], "f32": [20.0]}
+    other["machine"] = {**default["machine"], "date": "2099-01-01", "commit": "later"}
+    (tmp_path / "latest").mkdir()
+    (tmp_path / "latest" / "vs_llama_cpp_zen4.json").write_text(json.dumps(default))
+    (tmp_path / "latest" / "vs_llama_cpp_zen4_q8_0.json").write_text(json.dumps(other))
+    monkeypatch.setattr(gen_performance, "ROOT", tmp_path)
+    monkeypatch.setattr(gen_performance, "LATEST", tmp_path / "latest")
+
+    rows = gen_performance.vs_llama_cpp(other)
+    assert any("Q8_0 (`--quantization gguf`)" in row and "50.0" in row for row in rows)
+    assert not any("in flight" in row or "Q4_1" in row for row in rows)
+    assert gen_performance.heading("vs_llama_cpp", other).endswith(", Q8_0")
+    headline = gen_performance.headline()
+    assert "Q4_1" in headline and "Q8_0" not in headline and "later" not in headline
