@@ -91,7 +91,7 @@ for orca, llama in (("gguf", label), ("none", "f32")):
 llama_single = {w: [float(x) for x in (R / f"vs_llama_cpp_{w}_single_stream_new.txt").read_text().split()]
                 for w in (label, "f32")}
 combined = {"bench": "vs_llama_cpp", "machine": machine.describe(), "concurrency": int(os.environ["N"]),
-            "gguf_file": os.environ["GGUF"], "single_stream": single, "llama_server_single_stream_tok_s": llama_single}
+            "gguf_file": os.environ["GGUF"], "forced_native_isa": os.environ.get("ORCA_JAX_NATIVE_ISA"), "single_stream": single, "llama_server_single_stream_tok_s": llama_single}
 if os.environ["SERVING"] != "0":
     rows = {}
     names = (("orca_jax", "orca_jax f32"), ("orca_jax_gguf", f"orca_jax {label.upper()}"),

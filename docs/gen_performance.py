@@ -40,7 +40,11 @@ def x(ratio: float) -> str:
 def weights_label(d: dict) -> str:
     """The GGUF block types a vs_llama_cpp run served ("q4_1" for the default file): llama-server's
     single-stream timings are kept by that label and by "f32"."""
-    return next(label for label in d["llama_server_single_stream_tok_s"] if label != "f32")
+    labels = [label for label in d["llama_server_single_stream_tok_s"] if label != "f32"]
+    if not labels:
+        raise SystemExit(f"{d['_file']}: llama-server's timings name no quantized file besides f32 (a run of "
+                         "compare_llama_cpp.sh on an F32 file?); compare a quantized GGUF file")
+    return labels[0]
 
 
 def vs_llama_cpp(d: dict) -> list[str]:
@@ -260,9 +264,10 @@ def machine_line(d: dict) -> str:
 
 def heading(bench: str, d: dict) -> str:
     """The CPU; for a vs_llama_cpp run of another file than the default, its block types too."""
-    if bench == "vs_llama_cpp" and weights_label(d) != "q4_1":
-        return f"{d['machine']['cpu']}, {weights_label(d).upper()}"
-    return d["machine"]["cpu"]
+    if bench != "vs_llama_cpp":
+        return d["machine"]["cpu"]
+    forced = f", native kernels forced to `{d['forced_native_isa']}`" if d.get("forced_native_isa") else ""
+    return f"{d['machine']['cpu']}, {weights_label(d).upper()}{forced}"
 
 
 def page() -> str:
@@ -285,9 +290,10 @@ def page() -> str:
 def headline() -> str:
     """README's table: the newest vs_llama_cpp run (or HEADLINE_CPU's), with its CPU and commit named
     (its date stays on the performance page: README carries no dated figure)."""
-    # The default file (Q4_1) with the CPU's own kernel variant: runs of other files, or with a variant
-    # forced (ORCA_JAX_NATIVE_ISA), have a longer name (vs_llama_cpp_<cpu>_<what>.json) and stay on the page.
-    candidates = [d for d in load_latest().get("vs_llama_cpp", []) if Path(d["_file"]).stem.count("_") == 3]
+    # The default file (Q4_1) with the CPU's own kernel variant: runs of other files, or with a lower
+    # variant forced (ORCA_JAX_NATIVE_ISA), stay on the page.
+    candidates = [d for d in load_latest().get("vs_llama_cpp", [])
+                  if weights_label(d) == "q4_1" and not d.get("forced_native_isa")]
     if HEADLINE_CPU is not None:
         candidates = [d for d in candidates if d["machine"]["cpu"] == HEADLINE_CPU]
     if not candidates:

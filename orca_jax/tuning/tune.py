@@ -323,7 +323,8 @@ def run(args: argparse.Namespace) -> dict:
     rate = target.rate if target.rate is not None else winner.capacity
     # The nominal capacity, bisected above the recommended rate (which the measured costs meet,
     # unless the simulated p99s fall with the rate there: the prediction below then says so).
-    nominal = None if margin is None else find_capacity(settings, workload, model, target, best=rate).capacity
+    nominal = (None if margin is None else rate if margin == 0
+               else find_capacity(settings, workload, model, target, best=rate).capacity)
     # The prediction at the rate served, at the measured costs (with a margin, the search priced its
     # runs dearer); its requests are also per_request's simulated columns.
     simulated = simulate_at(settings, workload, rate, model)

@@ -77,3 +77,9 @@ def test_a_run_of_another_gguf_file_gets_its_own_rows_and_stays_out_of_readme(tm
     assert gen_performance.heading("vs_llama_cpp", other).endswith(", Q8_0")
     headline = gen_performance.headline()
     assert "Q4_1" in headline and "Q8_0" not in headline and "later" not in headline
+    # A newer run of the default file with the AVX2 kernels forced stays on the page too.
+    forced = {**default, "forced_native_isa": "avx2", "machine": {**default["machine"], "date": "2099-01-02",
+                                                                  "native_isa": "avx2", "commit": "forced"}}
+    (tmp_path / "latest" / "vs_llama_cpp_zen4_avx2.json").write_text(json.dumps(forced))
+    assert gen_performance.heading("vs_llama_cpp", forced).endswith(", Q4_1, native kernels forced to `avx2`")
+    assert "forced" not in gen_performance.headline()
