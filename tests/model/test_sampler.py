@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax.model.sampler import SamplingMetadata, filter_logits, sample
+from orca_jax.model.sampler import SamplingMetadata, filter_logits, processed_logits, sample
 
 V = 8
 
@@ -49,6 +49,19 @@ def test_min_tokens_suppresses_stop_tokens():
     stop[0, 0] = 2
     out = sample(LOGITS, metadata(1, stop_ids=stop, suppress_stop=np.array([True])))
     assert int(out.tokens[0]) == 3
+
+
+def test_stop_suppression_touches_only_its_rows_ids():
+    """Row 0 (suppressing) loses exactly its stop ids, the last vocabulary entry among them; row 1 (not
+    suppressing) keeps its own; a -1 padding id suppresses nothing (not the last entry either)."""
+    logits = jnp.tile(LOGITS, (3, 1))
+    stop = np.full((3, 4), -1, np.int32)
+    stop[0, :2] = [2, V - 1]
+    stop[1, 0] = 3
+    processed = np.asarray(processed_logits(logits, metadata(3, stop_ids=stop, suppress_stop=np.array([True, False, True]))))
+    want = np.tile(np.asarray(LOGITS), (3, 1))
+    want[0, [2, V - 1]] = -np.inf
+    np.testing.assert_array_equal(processed, want)
 
 
 def draws(m, n=400):
