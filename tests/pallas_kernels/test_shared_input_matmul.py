@@ -16,15 +16,17 @@ from pallas_kernels import quantized_matmul as qm
 from .test_int8_activations import random_weights, variant  # noqa: F401 (a fixture)
 
 # Mixed as a Q4_K_M file mixes them, offsets differing, int8 rows with their scales; out sizes that
-# leave a remainder of a work item (32 rows) and one of zero rows' worth.
+# leave a remainder of a work item (32 rows).
 MATRICES = (("q4_1", 192), ("q6_k", 67), ("q4_0", 130), ("int8", 33), ("q4_k", 64))
 IN = 768  # a multiple of a K-quant super-block
 
 
-def matrices(rng):
+def matrices(rng, activations="int8"):
+    """MATRICES' random weights; with float32 activations a float model's f32 rows too."""
     formats, weights, scales = [], [], []
-    for format, out in MATRICES:
-        w, s = random_weights(format, out, IN, rng)
+    for format, out in MATRICES + ((("f32", 40),) if activations == "float32" else ()):
+        w, s = (rng.standard_normal((out, IN)).astype(np.float32), None) if format == "f32" else \
+            random_weights(format, out, IN, rng)
         formats.append(format)
         weights.append(jnp.asarray(w))
         scales.append(None if s is None else jnp.asarray(s))
@@ -38,7 +40,7 @@ alone = jax.jit(qm.quantized_matmul_native, static_argnames=("format", "activati
 @pytest.mark.parametrize("activations", qm.ACTIVATIONS)
 def test_one_call_of_several_matrices_gives_each_matrix_its_own_bits(variant, activations):  # noqa: F811
     rng = np.random.default_rng(3)
-    formats, weights, scales = matrices(rng)
+    formats, weights, scales = matrices(rng, activations)
     for tokens, real in ((1, 1), (2, 2), (5, 3), (16, 16), (64, 64)):
         x = (rng.standard_normal((tokens, IN)) * rng.uniform(0.1, 10, (tokens, 1))).astype(np.float32)
         got = together(x, formats=formats, weights=weights, scales=scales, num_rows=real, activations=activations)
