@@ -35,6 +35,7 @@ from orca_jax.config import DEFAULT_MODEL, QUANTIZATION_CHOICES  # noqa: E402
 from orca_jax.runner.step_inputs import layers_inputs  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle. " * 5
+NUMBERED = re.compile(r"[.]\d+$")  # an op's number: fusions of one kind summed together
 CALL = re.compile(r'\s*(?:ROOT )?%?(\S+) = .*? custom-call\(.*?custom_call_target="(\w+)"(.*)')
 
 
@@ -113,12 +114,15 @@ def main() -> None:
         op = (event.get("args") or {}).get("hlo_op")
         if event.get("ph") == "X" and op:
             program = "head" if "head" in event["args"]["hlo_module"] else "layers"
-            totals[program][names[program].get(op, "XLA fusions and ops")] += event["dur"] / 1000 / args.steps
+            part = names[program].get(op) or "XLA " + NUMBERED.sub("", op)  # a fusion by its kind
+            totals[program][part] += event["dur"] / 1000 / args.steps
     print(f"{args.model}, {args.quantization}, {args.seqs} sequence(s), bucket {plan.bucket}; "
           f"load average {os.getloadavg()[0]:.1f}; ms per step:")
     for program, parts in totals.items():
         print(f"  {program} program: thunks {sum(parts.values()):.3f} ms")
-        for part, ms in parts.most_common():
+        xla = sum(ms for part, ms in parts.items() if part.startswith("XLA"))
+        print(f"    {xla:8.3f}  XLA's fusions and ops, all together; the largest parts:")
+        for part, ms in parts.most_common(10):
             print(f"    {ms:8.3f}  {part}")
     timings = list(zip(*(step() for _ in range(100))))
     pack, layers_call, head_call, whole = (1000 * statistics.median(t) for t in timings)
