@@ -34,6 +34,9 @@ Implementations behind the one contract (`quantized_matmul`):
   batch-invariant.
   The K-quants' 256-weight super-blocks are taken as eight 32-weight sub-blocks, each with its own
   scale(s) (cpu/quantized_matmul_kquants.inc), in the same order. It knows every format.
+  One call may multiply x by several matrices (`quantized_matmuls`: a layer's q, k and v, or gate
+  and up), x quantized once and every matrix's rows shared out over the threads together; each
+  result is the one its matrix's own call gives.
 - `xla`: dequantize to f32, then one dot at HIGHEST precision: what runs on GPU (and on a CPU
   without the native library). Its summation order is XLA's, so it matches the reference to f32
   rounding, not bit for bit.

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -143,8 +144,6 @@ __attribute__((always_inline)) inline void k_scales_mins(const uint8_t* sb, floa
 
 }  // namespace orca_qmm
 
-
-#include <vector>
 
 namespace orca_qmm {
 // A work item: rows [first, end) of problems[problem], at most kRowsPerItem of them.
