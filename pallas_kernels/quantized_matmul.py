@@ -34,6 +34,9 @@ Implementations behind the one contract (`quantized_matmul`):
   batch-invariant.
   The K-quants' 256-weight super-blocks are taken as eight 32-weight sub-blocks, each with its own
   scale(s) (cpu/quantized_matmul_kquants.inc), in the same order. It knows every format.
+  One call may multiply x by several matrices (`quantized_matmuls`: a layer's q, k and v, or gate
+  and up), x quantized once and every matrix's rows shared out over the threads together; each
+  result is the one its matrix's own call gives.
 - `xla`: dequantize to f32, then one dot at HIGHEST precision: what runs on GPU (and on a CPU
   without the native library). Its summation order is XLA's, so it matches the reference to f32
   rounding, not bit for bit.
@@ -47,6 +50,7 @@ own dequantize bit for bit (same f32 operations), which ties the blocks to the f
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -93,8 +97,8 @@ INT8_ACTIVATION_FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "q5_0", "q5_1", "q4_k
 __all__ = ["ACTIVATIONS", "BLOCK", "BLOCK_BYTES", "FLOAT_NATIVE_MAX_TOKENS", "FORMATS", "GGUF_FORMATS",
            "INT8_ACTIVATION_FORMATS", "INT8_NATIVE_MAX_TOKENS", "NATIVE_MAX_TOKENS", "SUPER_BLOCK", "block_weights",
            "check_weights", "dequantize", "dequantize_reference", "quantize_int8", "quantized_matmul",
-           "quantized_matmul_native", "quantized_matmul_reference", "quantized_matmul_xla", "random_blocks",
-           "row_size", "xla_activations"]
+           "quantized_matmul_native", "quantized_matmul_reference", "quantized_matmul_xla", "quantized_matmuls",
+           "quantized_matmuls_native", "random_blocks", "row_size", "xla_activations"]
 
 
 def block_weights(format: str) -> int:
@@ -357,20 +361,31 @@ def quantized_matmul_native(x: jax.Array, format: str, weights: jax.Array, scale
     """The C++ kernel; raises NativeUnavailable unless pallas_kernels.native's library is loaded.
     Rows of x from `num_rows` on (a traced or static count; None: all) are skipped and come out zero.
     `activations`: "float32" multiplies x as it is, "int8" quantizes it first (int8_activations.py)."""
+    return quantized_matmuls_native(x, (format,), (weights,), (scales,), num_rows, activations)[0]
+
+
+def quantized_matmuls_native(x: jax.Array, formats: Sequence[str], weights: Sequence[jax.Array],
+                             scales: Sequence[jax.Array | None], num_rows: jax.Array | int | None = None,
+                             activations: str = "float32") -> list[jax.Array]:
+    """x times each of several matrices (formats[i], weights[i], scales[i]) in one call of the C++
+    kernel: x is quantized once (int8 activations) and every matrix's rows are shared out over the
+    threads together. Each result equals quantized_matmul_native's for its matrix alone, bit for bit."""
     from pallas_kernels import native
 
     native._require_loaded()
-    if format not in FORMATS:
-        raise ValueError(f"the native kernel has no {format!r} format; it knows {', '.join(FORMATS)}")
-    check_activations(activations, format)
-    call = jax.ffi.ffi_call(native.MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], weights.shape[0]), jnp.float32))
-    scales = jnp.zeros((0,), jnp.float32) if scales is None else scales.astype(jnp.float32)
+    for format in formats:
+        if format not in FORMATS:
+            raise ValueError(f"the native kernel has no {format!r} format; it knows {', '.join(FORMATS)}")
+        check_activations(activations, format)
+    results = [jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32) for w in weights]
+    call = jax.ffi.ffi_call(native.MATMUL_TARGET, results)
+    pairs = [array for w, s in zip(weights, scales)
+             for array in (w, jnp.zeros((0,), jnp.float32) if s is None else s.astype(jnp.float32))]
     rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32).reshape(())
-    return call(x.astype(jnp.float32), weights, scales, rows, format=np.int32(FORMATS.index(format)),
+    return call(x.astype(jnp.float32), rows, *pairs, formats=np.array([FORMATS.index(f) for f in formats], np.int32),
                 int8_activations=np.int32(activations == "int8"))
 
 
-@functools.partial(jax.jit, static_argnames=("format", "cpu_native", "native_max_tokens", "activations"))
 def quantized_matmul(x: jax.Array, format: str, weights: jax.Array, scales: jax.Array | None = None,
                      num_rows: jax.Array | None = None, *, cpu_native: bool = True,
                      native_max_tokens: int = NATIVE_MAX_TOKENS, activations: str = "float32") -> jax.Array:
@@ -383,11 +398,24 @@ def quantized_matmul(x: jax.Array, format: str, weights: jax.Array, scales: jax.
     `activations="int8"`: x quantized per row and 32-value block first (int8_activations.py), on
     either path; the native kernel's integer products and XLA's dot of the dequantized x agree to f32
     rounding."""
-    check_weights(format, weights.shape, x.shape[-1], None if scales is None else scales.shape)
-    check_activations(activations, format)
+    return quantized_matmuls(x, (format,), (weights,), (scales,), num_rows, cpu_native=cpu_native,
+                             native_max_tokens=native_max_tokens, activations=activations)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("formats", "cpu_native", "native_max_tokens", "activations"))
+def quantized_matmuls(x: jax.Array, formats: tuple[str, ...], weights: tuple[jax.Array, ...],
+                      scales: tuple[jax.Array | None, ...], num_rows: jax.Array | None = None, *,
+                      cpu_native: bool = True, native_max_tokens: int = NATIVE_MAX_TOKENS,
+                      activations: str = "float32") -> list[jax.Array]:
+    """`quantized_matmul` of one x by several matrices (a layer's q, k and v): on CPU one native call
+    for all of them (quantized_matmuls_native), elsewhere and for larger T one XLA dot each (x
+    quantized once). Each result is the one `quantized_matmul` gives for its matrix."""
+    for format, w, s in zip(formats, weights, scales, strict=True):
+        check_weights(format, w.shape, x.shape[-1], None if s is None else s.shape)
+        check_activations(activations, format)
     xla_x = xla_activations(x) if activations == "int8" else x
-    xla = lambda: quantized_matmul_xla(xla_x, format, weights, scales)  # noqa: E731
+    xla = lambda: [quantized_matmul_xla(xla_x, *matrix) for matrix in zip(formats, weights, scales)]  # noqa: E731
     if not cpu_native or x.shape[0] > native_max_tokens:
         return xla()
-    native_call = lambda: quantized_matmul_native(x, format, weights, scales, num_rows, activations)  # noqa: E731
+    native_call = lambda: quantized_matmuls_native(x, formats, weights, scales, num_rows, activations)  # noqa: E731
     return jax.lax.platform_dependent(cpu=native_call, default=xla)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from orca_jax.model.layers import Dense, RMSNorm
+from orca_jax.model.layers import Dense, RMSNorm, dense_all
 from orca_jax.model.linear import LinearPlan, all_float
 from orca_jax.model.paged_attention import MASK_VALUE, paged_attention
 from orca_jax.model.rotary import RopeScaling, apply_rope
@@ -124,7 +124,7 @@ class Attention(nnx.Module):
         attention: PagedAttention = paged_attention,
     ) -> tuple[Float[Array, "T D"], KVCache | None]:
         rows = meta.num_tokens
-        q, k, v = self.q(x, rows), self.k(x, rows), self.v(x, rows)  # [T, H, Dh], [T, K, Dh], [T, K, Dh]
+        q, k, v = dense_all([self.q, self.k, self.v], x, rows)  # [T, H, Dh], [T, K, Dh], [T, K, Dh]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from orca_jax.model.linear import FloatLinear, LinearMethod, LinearPlan, all_float, param
+from orca_jax.model.linear import FloatLinear, LinearMethod, LinearPlan, all_float, param, shared_input_dense
 
 
 class Dense(nnx.Module):
@@ -46,6 +46,17 @@ class Dense(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...]
         return y
+
+
+def dense_all(denses: list[Dense], x: jax.Array, num_rows: Int[Array, ""] | None = None) -> list[jax.Array]:
+    """Each Dense of one input x [T, in] (single input axis), as [d(x) for d in denses], in one
+    native call where their methods allow it (linear.shared_input_dense)."""
+    shared = shared_input_dense([d.method for d in denses], x, [d.kernel[...] for d in denses],
+                                [None if d.scales is None else d.scales[...] for d in denses],
+                                [d.out_shape for d in denses], num_rows)
+    if shared is None:
+        return [d(x, num_rows) for d in denses]
+    return [y if d.bias is None else y + d.bias[...] for d, y in zip(denses, shared)]
 
 
 class RMSNorm(nnx.Module):
@@ -112,7 +123,8 @@ class SwiGLU(nnx.Module):
                           method=linear("down"))
 
     def __call__(self, x: Float[Array, "T D"], num_rows: Int[Array, ""] | None = None) -> Float[Array, "T D"]:
-        gated = GATE_ACTIVATIONS[self.activation](self.gate(x, num_rows)) * self.up(x, num_rows)
+        gate, up = dense_all([self.gate, self.up], x, num_rows)
+        gated = GATE_ACTIVATIONS[self.activation](gate) * up
         return self.down(gated, num_rows)
 
 

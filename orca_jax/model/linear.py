@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.quantized_matmul import (FLOAT_NATIVE_MAX_TOKENS, NATIVE_MAX_TOKENS,
-                                             block_weights, dequantize, quantized_matmul, row_size)
+from pallas_kernels.quantized_matmul import (FLOAT_NATIVE_MAX_TOKENS, NATIVE_MAX_TOKENS, block_weights, dequantize,
+                                             quantized_matmul, quantized_matmuls, row_size)
 
 # GGUF tensor types served in place, by their gguf.GGMLQuantizationType name, and the kernel format
 # of each (pallas_kernels/quantized_matmul.py). A new block type is one entry here plus its kernel.
@@ -76,6 +76,24 @@ class LinearMethod:
                num_rows: jax.Array | None) -> jax.Array:
         """x [T, D] times the table's rows [V, D]: [T, V] in x's dtype (the LM head)."""
         raise NotImplementedError
+
+
+def shared_input_dense(methods: list[LinearMethod], x: jax.Array, kernels: list[jax.Array],
+                       scales: list[jax.Array | None], out_shapes: list[tuple[int, ...]],
+                       num_rows: jax.Array | None) -> list[jax.Array] | None:
+    """x [..., in] times several matrices in one native call (a layer's q, k and v, or gate and up: at
+    a decode step's one row, k's and v's own calls cost more than reading their rows), each result
+    [..., out...] exactly what its own `dense` gives; None when the methods cannot share a call (not
+    all native rows, or taking x differently)."""
+    if len(methods) < 2 or not all(isinstance(m, RowsLinear) and m.cpu_native for m in methods):
+        return None
+    first = methods[0]
+    if any((m.activations, m.native_max_tokens) != (first.activations, first.native_max_tokens) for m in methods):
+        return None
+    ys = quantized_matmuls(x.reshape(-1, x.shape[-1]), tuple(m.format for m in methods), tuple(kernels), tuple(scales),
+                           num_rows, cpu_native=True, native_max_tokens=first.native_max_tokens,
+                           activations=first.activations)
+    return [y.astype(x.dtype).reshape(x.shape[:-1] + out) for y, out in zip(ys, out_shapes)]
 
 
 # A matrix's path in the decoder ("embed", "lm_head", "layers.3.attn.q", "layers.3.mlp.down") -> its method.

@@ -73,14 +73,22 @@ def filter_logits(scaled: Float[Array, "S V"], m: SamplingMetadata) -> Float[Arr
     return jnp.where(scaled >= threshold, scaled, NEG_INF)
 
 
+def suppress_stop_tokens(logits: Float[Array, "S V"], m: SamplingMetadata) -> Float[Array, "S V"]:
+    """The stop tokens of the rows still short of min_tokens to -inf: written at their ids, a few per
+    row (comparing every id with every vocabulary entry, [S, stop ids, V], was a fifth of a decode
+    step's sampling). Padding ids (-1) and the other rows' ids point past the vocabulary and are dropped."""
+    vocab = logits.shape[-1]
+    ids = jnp.where(m.suppress_stop[:, None] & (m.stop_ids >= 0), m.stop_ids, vocab)
+    return logits.at[jnp.arange(logits.shape[0])[:, None], ids].set(NEG_INF, mode="drop")
+
+
 def processed_logits(logits: Float[Array, "S V"], m: SamplingMetadata) -> Float[Array, "S V"]:
     """The logits after bias, penalties, min_tokens stop suppression and the grammar bitmask: the
     greedy choice is their argmax."""
     keep = lambda x, _: x  # noqa: E731 - the untaken branch of each optional stage
     logits = jax.lax.cond(m.use_logit_bias, apply_logit_bias, keep, logits, m)
     logits = jax.lax.cond(m.use_penalties, apply_penalties, keep, logits, m)
-    is_stop = (jnp.arange(logits.shape[-1])[None, None, :] == m.stop_ids[:, :, None]).any(axis=1)  # [S, V]
-    logits = jnp.where(m.suppress_stop[:, None] & is_stop, NEG_INF, logits)
+    logits = suppress_stop_tokens(logits, m)
     return jax.lax.cond(m.use_bitmask, apply_token_bitmask, keep, logits, m)
 
 
@@ -93,6 +101,16 @@ def scaled_logits(processed: Float[Array, "S V"], m: SamplingMetadata) -> Float[
     return jax.lax.cond(filtering, filter_logits, lambda x, _: x, scaled, m)
 
 
+def first_argmax(x: Float[Array, "S V"]) -> Int[Array, " S"]:
+    """jnp.argmax over the last axis (the first index of the maximum; of the first NaN, if any), as a
+    max and a min of indices: XLA:CPU runs argmax's value-and-index reduction one element at a time
+    (a [16, 49152] argmax took 3.5 ms, this 0.46 ms; one row 0.29 against 0.04 ms)."""
+    peak = jnp.max(x, axis=-1, keepdims=True)  # NaN if any value is
+    is_peak = jnp.where(jnp.isnan(peak), jnp.isnan(x), x == peak)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(is_peak, index, x.shape[-1]), axis=-1)
+
+
 def draw_keys(seeds: UInt32[Array, " S"], token_index: Int[Array, " S"]) -> jax.Array:
     """Each row's key: its request's seed and the index of the token being drawn, never the row."""
     return jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed), index))(seeds, token_index)
@@ -101,13 +119,13 @@ def draw_keys(seeds: UInt32[Array, " S"], token_index: Int[Array, " S"]) -> jax.
 def sample(logits: Float[Array, "S V"], m: SamplingMetadata) -> SamplerOutput:
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     logits = processed_logits(logits, m)
-    greedy_tokens = jnp.argmax(logits, axis=-1)
+    greedy_tokens = first_argmax(logits)
 
     def draw(logits):
         scaled = scaled_logits(logits, m)
         keys = draw_keys(m.seeds, m.token_index)
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
-        return jnp.argmax(scaled + gumbel, axis=-1)  # Gumbel-max: an exact draw from softmax(scaled)
+        return first_argmax(scaled + gumbel)  # Gumbel-max: an exact draw from softmax(scaled)
 
     any_random = (m.temperature > 0).any()
     drawn = jax.lax.cond(any_random, draw, lambda _: greedy_tokens, logits)

@@ -48,7 +48,7 @@ from orca_jax.config import ConfigError, ParallelConfig
 from orca_jax.engine.step_plan import Buckets, KVLayout, StepPlan, padding_plan
 from orca_jax.model.attention import AttentionMetadata
 from orca_jax.model.decoder import DecoderStage
-from orca_jax.model.sampler import SamplingMetadata
+from orca_jax.model.sampler import SamplingMetadata, first_argmax
 from orca_jax.parallel import kv_cache_sharding, param_shardings
 from orca_jax.parallel.layout import check_parallel, kv_heads_for_tp
 from orca_jax.parallel.tensor_parallel import replicate_kv_heads, sharded_paged_attention
@@ -225,9 +225,9 @@ class DraftModelRunner:
             def draw(logits):
                 keys = salted_keys(seeds, first_index + j, DRAFT_SALT)
                 gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
-                return jnp.argmax(draft_scaled_logits(logits, temperature) + gumbel, axis=-1)
+                return first_argmax(draft_scaled_logits(logits, temperature) + gumbel)
 
-            greedy = jnp.argmax(logits, axis=-1)
+            greedy = first_argmax(logits)
             drawn = jax.lax.cond((temperature > 0).any(), draw, lambda _: greedy, logits)
             token = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
             return kv_caches, token, drafts.at[:, j].set(token)

@@ -40,7 +40,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from orca_jax.config import SpeculativeConfig
-from orca_jax.model.sampler import SamplerOutput, SamplingMetadata, draw_keys, processed_logits, scaled_logits
+from orca_jax.model.sampler import (SamplerOutput, SamplingMetadata, draw_keys, first_argmax, processed_logits,
+                                   scaled_logits)
 from orca_jax.step_metadata import SpeculationMetadata
 
 # Salts folded into a row's (seed, token index) key, so each use of randomness is independent of
@@ -111,7 +112,7 @@ def rejection_sample(logits: Float[Array, "R V"], sampled: SamplerOutput, sampli
     residual = jnp.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p)
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(
         salted_keys(sampling.seeds, sampling.token_index, RESIDUAL_SALT))
-    recovered = jnp.argmax(jnp.log(residual) + gumbel, axis=-1)  # Gumbel-max: a draw from norm(residual)
+    recovered = first_argmax(jnp.log(residual) + gumbel)  # Gumbel-max: a draw from norm(residual)
     tokens = jnp.where(checks, jnp.where(accept, draft, recovered), sampled.tokens).astype(jnp.int32)
     logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
     return dataclasses.replace(sampled, tokens=tokens, logprob=logprob)

@@ -78,18 +78,17 @@ ItemFn pick_isa() {
   return base::item<F>;
 }
 
-ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                           ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> num_rows,
-                           ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t format, int32_t int8_activations) {
-  // Shapes are validated in Python (the wrapper names the argument); these checks keep a direct
-  // caller from reading out of bounds.
+// One matrix's problem `p` from its buffers, or the error naming what is inconsistent. Shapes are
+// validated in Python (the wrapper names the argument); these checks keep a direct caller from
+// reading out of bounds.
+ffi::Error make_problem(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer w, ffi::AnyBuffer scales,
+                        ffi::Result<ffi::AnyBuffer> out, int32_t format, bool int8_activations, Problem& p) {
   if (format < 0 || format >= kNumFormats) return ffi::Error::InvalidArgument("quantized_matmul_native: unknown format");
   const Format f = static_cast<Format>(format);
   auto x_dims = x.dimensions();
   auto w_dims = w.dimensions();
   if (x_dims.size() != 2 || w_dims.size() != 2 || x_dims[1] % kBlock)
     return ffi::Error::InvalidArgument("quantized_matmul_native: x must be [T, in], in a multiple of 32; w [out, bytes]");
-  Problem p;
   p.tokens = x_dims[0];
   p.in = x_dims[1];
   p.out_features = w_dims[0];
@@ -99,29 +98,61 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   const bool int8 = f == Format::kInt8;
   if (p.blocks % sub_blocks(f) || p.row_bytes != p.blocks / sub_blocks(f) * block_bytes(f) ||
       (f32 ? w.element_type() != ffi::DataType::F32 : ffi::ByteWidth(w.element_type()) != 1) ||
+      scales.element_type() != ffi::DataType::F32 || out->element_type() != ffi::DataType::F32 ||
       (int8 && static_cast<int64_t>(scales.element_count()) != p.out_features) ||
       out->dimensions().size() != 2 || out->dimensions()[0] != p.tokens || out->dimensions()[1] != p.out_features)
     return ffi::Error::InvalidArgument("quantized_matmul_native: inconsistent shapes");
-  if (num_rows.element_count() != 1)
-    return ffi::Error::InvalidArgument("quantized_matmul_native: num_rows must hold one int32");
+  if (f32 && int8_activations)
+    return ffi::Error::InvalidArgument("quantized_matmul_native: int8 activations need quantized weights, not f32 rows");
   p.x = x.typed_data();
   p.w = static_cast<const uint8_t*>(w.untyped_data());
-  p.scales = scales.typed_data();
-  p.out = out->typed_data();
-  // Rows from num_rows on are a step's bucket padding: not computed, zeros (finite for what follows).
-  const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, p.tokens);
-  std::fill(p.out + rows * p.out_features, p.out + p.tokens * p.out_features, 0.0f);
-  p.tokens = rows;
-  if (p.tokens == 0 || p.out_features == 0) return ffi::Error::Success();
+  p.scales = static_cast<const float*>(scales.untyped_data());
+  p.out = static_cast<float*>(out->untyped_data());
+  return ffi::Error::Success();
+}
+
+// x times one or more matrices (a layer's q, k and v, or gate and up, share x): the arguments after
+// x and num_rows are (w, scales) per matrix, the results out per matrix, `formats` one per matrix.
+// One call for all of them quantizes x once (int8 activations) and shares every matrix's rows out
+// over the threads at once, instead of paying a call, a quantization and a wake-up of the pool per
+// matrix; each output element is computed exactly as a call of its matrix alone would.
+ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> num_rows,
+                           ffi::RemainingArgs weights, ffi::RemainingRets outs, ffi::Span<const int32_t> formats,
+                           int32_t int8_activations) {
+  const size_t count = formats.size();
+  if (count == 0 || weights.size() != 2 * count || outs.size() != count)
+    return ffi::Error::InvalidArgument("quantized_matmul_native: give (weights, scales) and a result per format");
+  if (num_rows.element_count() != 1)
+    return ffi::Error::InvalidArgument("quantized_matmul_native: num_rows must hold one int32");
+  std::vector<Problem> problems;
+  std::vector<Format> fs;
+  for (size_t m = 0; m < count; ++m) {
+    auto w = weights.get<ffi::AnyBuffer>(2 * m);
+    auto scales = weights.get<ffi::AnyBuffer>(2 * m + 1);
+    auto out = outs.get<ffi::AnyBuffer>(m);
+    if (!w.has_value() || !scales.has_value() || !out.has_value())
+      return ffi::Error::InvalidArgument("quantized_matmul_native: unreadable weights, scales or result");
+    Problem p;
+    if (ffi::Error error = make_problem(x, *w, *scales, *out, formats[m], int8_activations != 0, p); error.failure())
+      return error;
+    // Rows from num_rows on are a step's bucket padding: not computed, zeros (finite for what follows).
+    const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, p.tokens);
+    std::fill(p.out + rows * p.out_features, p.out + p.tokens * p.out_features, 0.0f);
+    p.tokens = rows;
+    problems.push_back(p);
+    fs.push_back(static_cast<Format>(formats[m]));
+  }
+  if (problems[0].tokens == 0) return ffi::Error::Success();
   if (int8_activations) {
-    if (f32) return ffi::Error::InvalidArgument("quantized_matmul_native: int8 activations need quantized weights, not f32 rows");
-    int8_activations_matmul(pool, p, f, OrcaNativeIsa());
+    int8_activations_matmul(pool, problems, fs, OrcaNativeIsa());
     return ffi::Error::Success();
   }
-  const ItemFn run = with_format(f, []<Format F>() { return pick_isa<F>(); });
-  const int64_t items = (p.out_features + kRowsPerItem - 1) / kRowsPerItem;
-  orca_native::parallel_for(pool, items, [&](int64_t i) {
-    run(p, i * kRowsPerItem, std::min<int64_t>((i + 1) * kRowsPerItem, p.out_features));
+  std::vector<ItemFn> runs;
+  for (Format f : fs) runs.push_back(with_format(f, []<Format F>() { return pick_isa<F>(); }));
+  const std::vector<Item> items = work_items(problems);
+  orca_native::parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const Item& item = items[i];
+    runs[item.problem](problems[item.problem], item.first, item.end);
   });
   return ffi::Error::Success();
 }
@@ -134,9 +165,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OrcaQuantizedMatmul, QuantizedMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, in]
-                                  .Arg<ffi::AnyBuffer>()  // w [out, row bytes] u8 or s8, or f32 [out, in]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [out] (int8) or [0]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_rows []: rows of x to compute
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, out]
-                                  .Attr<int32_t>("format")
+                                  // per matrix: w [out, row bytes] u8 or s8, or f32 [out, in]; scales f32 [out] (int8) or [0]
+                                  .RemainingArgs()
+                                  .RemainingRets()  // per matrix: out f32 [T, out]
+                                  .Attr<ffi::Span<const int32_t>>("formats")
                                   .Attr<int32_t>("int8_activations"));  // 1: x quantized (quantized_matmul_int8.cc)

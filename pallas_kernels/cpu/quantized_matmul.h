@@ -3,8 +3,10 @@
 // exact f16 and K-quant header decoding. pallas_kernels/quantized_matmul.py has the contract.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "vec16.h"
 #include "xla/ffi/api/ffi.h"
@@ -163,7 +165,22 @@ __attribute__((always_inline)) inline void k_scales_mins(const uint8_t* sb, floa
 
 
 namespace orca_qmm {
-// The matmul with int8 activations (quantized_matmul_int8.cc) of p (format f, not kF32), with the
-// instruction-set variant `isa` (numbered as pallas_kernels/native.py's ISAS).
-void int8_activations_matmul(xla::ffi::ThreadPool& pool, const Problem& p, Format f, int isa);
+// A work item: rows [first, end) of problems[problem], at most kRowsPerItem of them.
+struct Item {
+  int64_t problem, first, end;
+};
+
+// Every problem's rows cut into items, problem after problem (all threads share them out at once).
+inline std::vector<Item> work_items(const std::vector<Problem>& problems) {
+  std::vector<Item> items;
+  for (size_t m = 0; m < problems.size(); ++m)
+    for (int64_t first = 0; first < problems[m].out_features; first += kRowsPerItem)
+      items.push_back({static_cast<int64_t>(m), first, std::min<int64_t>(first + kRowsPerItem, problems[m].out_features)});
+  return items;
+}
+
+// The matmuls with int8 activations (quantized_matmul_int8.cc) of problems (of one x; formats fs,
+// not kF32), with the instruction-set variant `isa` (numbered as pallas_kernels/native.py's ISAS).
+void int8_activations_matmul(xla::ffi::ThreadPool& pool, const std::vector<Problem>& problems,
+                             const std::vector<Format>& fs, int isa);
 }  // namespace orca_qmm

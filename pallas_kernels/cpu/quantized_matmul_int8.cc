@@ -109,29 +109,45 @@ ItemFn pick_isa(int isa) {
 
 }  // namespace
 
-void int8_activations_matmul(xla::ffi::ThreadPool& pool, const Problem& p, Format f, int isa) {
-  Activations a;
-  a.pairs = (p.blocks + 1) / 2;
-  const size_t lanes = static_cast<size_t>(p.tokens * a.pairs * kLanes);
-  a.q.assign(4 * lanes, 0);
-  a.init.assign(lanes, 0);
-  a.d.assign(lanes, 0.0f);
-  a.groups = (p.blocks + 15) / 16;
-  a.block_sums.assign(static_cast<size_t>(p.tokens * a.groups * kLanes), 0.0f);
-  // A few KB per token: quantized on the calling thread, before the rows are shared out.
+void int8_activations_matmul(xla::ffi::ThreadPool& pool, const std::vector<Problem>& problems,
+                             const std::vector<Format>& fs, int isa) {
+  const Problem& first = problems[0];  // every problem has the same x
+  // x quantized once per distinct offset (the matrices of one layer share one, mostly): a few KB per
+  // token, on the calling thread, before the rows are shared out.
+  std::vector<int32_t> offsets;
+  std::vector<Activations> quantized;
+  std::vector<size_t> of_problem;
   const QuantizeFn quantize = pick_quantize(isa);
-  for (int64_t t = 0; t < p.tokens; ++t) quantize(p, t, q_offset(f), a);
+  for (Format f : fs) {
+    const int32_t offset = q_offset(f);
+    const size_t known = std::find(offsets.begin(), offsets.end(), offset) - offsets.begin();
+    of_problem.push_back(known);
+    if (known < offsets.size()) continue;
+    offsets.push_back(offset);
+    Activations& a = quantized.emplace_back();
+    a.pairs = (first.blocks + 1) / 2;
+    const size_t lanes = static_cast<size_t>(first.tokens * a.pairs * kLanes);
+    a.q.assign(4 * lanes, 0);
+    a.init.assign(lanes, 0);
+    a.d.assign(lanes, 0.0f);
+    a.groups = (first.blocks + 15) / 16;
+    a.block_sums.assign(static_cast<size_t>(first.tokens * a.groups * kLanes), 0.0f);
+    for (int64_t t = 0; t < first.tokens; ++t) quantize(first, t, offset, a);
+  }
   // (f32 rows have no int8 path: the handler refuses them before calling this.)
-  const ItemFn run = with_format(f, [isa]<Format F>() -> ItemFn {
-    if constexpr (F == Format::kF32) {
-      return nullptr;
-    } else {
-      return pick_isa<F>(isa);
-    }
-  });
-  const int64_t items = (p.out_features + kRowsPerItem - 1) / kRowsPerItem;
-  orca_native::parallel_for(pool, items, [&](int64_t i) {
-    run(p, a, i * kRowsPerItem, std::min<int64_t>((i + 1) * kRowsPerItem, p.out_features));
+  std::vector<ItemFn> runs;
+  for (Format f : fs)
+    runs.push_back(with_format(f, [isa]<Format F>() -> ItemFn {
+      if constexpr (F == Format::kF32) {
+        return nullptr;
+      } else {
+        return pick_isa<F>(isa);
+      }
+    }));
+  const std::vector<Item> items = work_items(problems);
+  orca_native::parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const Item& item = items[i];
+    runs[item.problem](problems[item.problem], quantized[of_problem[item.problem]], item.first, item.end);
   });
 }
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax.model.sampler import SamplingMetadata, filter_logits, sample
+from orca_jax.model.sampler import SamplingMetadata, filter_logits, first_argmax, processed_logits, sample
 
 V = 8
 
@@ -49,6 +49,19 @@ def test_min_tokens_suppresses_stop_tokens():
     stop[0, 0] = 2
     out = sample(LOGITS, metadata(1, stop_ids=stop, suppress_stop=np.array([True])))
     assert int(out.tokens[0]) == 3
+
+
+def test_stop_suppression_touches_only_its_rows_ids():
+    """Row 0 (suppressing) loses exactly its stop ids, the last vocabulary entry among them; row 1 (not
+    suppressing) keeps its own; a -1 padding id suppresses nothing (not the last entry either)."""
+    logits = jnp.tile(LOGITS, (3, 1))
+    stop = np.full((3, 4), -1, np.int32)
+    stop[0, :2] = [2, V - 1]
+    stop[1, 0] = 3
+    processed = np.asarray(processed_logits(logits, metadata(3, stop_ids=stop, suppress_stop=np.array([True, False, True]))))
+    want = np.tile(np.asarray(LOGITS), (3, 1))
+    want[0, [2, V - 1]] = -np.inf
+    np.testing.assert_array_equal(processed, want)
 
 
 def draws(m, n=400):
@@ -162,3 +175,21 @@ def test_a_step_plans_sampling_metadata_is_the_samplers_pytree_in_numpy():
     assert leaves == set(names) - {"output_counts", "seen_tokens"}
     for name in leaves:
         np.testing.assert_array_equal(np.asarray(getattr(device, name)), getattr(host, name), err_msg=name)
+
+
+def test_first_argmax_is_jnps_argmax_on_ties_nans_and_infinities():
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((9, 50)).astype(np.float32)
+    rows[0, [3, 7, 40]] = 9.0  # a tie: the first wins
+    rows[1] = -np.inf  # every token masked: index 0
+    rows[2, [5, 30]] = np.nan  # a NaN is the maximum: the first NaN
+    rows[3, [6, 8]] = [np.nan, np.inf]
+    rows[4, [2, 11]] = np.inf
+    rows[5] = 0.0
+    rows[5, 4] = -0.0  # equal zeros: the first
+    rows[6, -1] = 100.0  # the last index
+    got = np.asarray(first_argmax(jnp.asarray(rows)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(rows), axis=-1)))
+    assert list(got[:7]) == [3, 0, 5, 6, 2, 0, 49]
+    batched = np.asarray(first_argmax(jnp.asarray(rows.reshape(3, 3, 50))))  # any leading axes
+    np.testing.assert_array_equal(batched.reshape(-1), got)
