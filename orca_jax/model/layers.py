@@ -41,22 +41,24 @@ class Dense(nnx.Module):
     def __call__(self, x: jax.Array, num_rows: Int[Array, ""] | None = None) -> jax.Array:
         """`num_rows`: x's leading rows that are real (AttentionMetadata.num_tokens); a native
         kernel skips the others, which then hold zeros (before the bias)."""
-        y = self.method.dense(x, self.kernel[...], None if self.scales is None else self.scales[...],
-                              self.num_in_axes, self.out_shape, num_rows)
-        if self.bias is not None:
-            y = y + self.bias[...]
-        return y
+        return self.biased(self.method.dense(x, self.kernel[...], None if self.scales is None else self.scales[...],
+                                             self.num_in_axes, self.out_shape, num_rows))
+
+    def biased(self, y: jax.Array) -> jax.Array:
+        return y if self.bias is None else y + self.bias[...]
 
 
 def dense_all(denses: list[Dense], x: jax.Array, num_rows: Int[Array, ""] | None = None) -> list[jax.Array]:
-    """Each Dense of one input x [T, in] (single input axis), as [d(x) for d in denses], in one
-    native call where their methods allow it (linear.shared_input_dense)."""
-    shared = shared_input_dense([d.method for d in denses], x, [d.kernel[...] for d in denses],
-                                [None if d.scales is None else d.scales[...] for d in denses],
-                                [d.out_shape for d in denses], num_rows)
+    """[d(x, num_rows) for d in denses], in one native call where their methods allow it
+    (linear.shared_input_dense) and each contracts x's last axis alone (q, k, v; gate, up)."""
+    shared = None
+    if all(d.num_in_axes == 1 for d in denses):
+        shared = shared_input_dense([d.method for d in denses], x, [d.kernel[...] for d in denses],
+                                    [None if d.scales is None else d.scales[...] for d in denses],
+                                    [d.out_shape for d in denses], num_rows)
     if shared is None:
         return [d(x, num_rows) for d in denses]
-    return [y if d.bias is None else y + d.bias[...] for d, y in zip(denses, shared)]
+    return [d.biased(y) for d, y in zip(denses, shared)]
 
 
 class RMSNorm(nnx.Module):

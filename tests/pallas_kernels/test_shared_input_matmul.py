@@ -61,11 +61,11 @@ def test_xla_path_of_several_matrices_equals_each_alone():
         np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(want))
 
 
-def dense(method, out: int, seed: int) -> Dense:
+def dense(method, out: int, seed: int, in_shape: tuple[int, ...] = (IN,)) -> Dense:
     from flax import nnx
 
-    layer = Dense((IN,), (out,), ("embed",), ("mlp",), use_bias=True, dtype=jnp.float32, rngs=nnx.Rngs(seed),
-                  method=method)
+    layer = Dense(in_shape, (out,), ("heads", "head_dim")[-len(in_shape):], ("mlp",), use_bias=True,
+                  dtype=jnp.float32, rngs=nnx.Rngs(seed), method=method)
     rng = np.random.default_rng(seed)
     weights, scales = random_weights(method.format, out, IN, rng)
     layer.kernel.value = jnp.asarray(weights)
@@ -91,3 +91,16 @@ def test_denses_of_one_input_take_one_native_call_and_their_own_results():
     # Methods that take x differently do not share a call.
     mixed = layers[:1] + [dense(GGUFBlockLinear("Q4_1", cpu_native=True, activations="float32"), 32, 3)]
     assert jax.jit(lambda x: dense_all(mixed, x)).lower(x).as_text().count(native.MATMUL_TARGET) == 2
+
+
+def test_denses_contracting_several_axes_each_take_their_own_call():
+    """An output projection's x is [T, H, Dh]: the shared call, which contracts x's last axis, is not
+    for it; each Dense multiplies as it does alone."""
+    from ..conftest import require_native
+
+    require_native()
+    layers = [dense(GGUFBlockLinear("Q4_1", cpu_native=True, activations="int8"), 32, seed, (4, IN // 4))
+              for seed in (6, 7)]
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((2, 4, IN // 4)).astype(np.float32))
+    for layer, got in zip(layers, jax.jit(lambda x: dense_all(layers, x))(x)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(layer)(x)))
