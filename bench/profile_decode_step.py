@@ -30,6 +30,7 @@ from pathlib import Path
 import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages
+import machine  # noqa: E402 (bench/, the script's own folder)
 from orca_jax import LLM, SamplingParams  # noqa: E402
 from orca_jax.config import DEFAULT_MODEL, QUANTIZATION_CHOICES  # noqa: E402
 from orca_jax.runner.step_inputs import layers_inputs  # noqa: E402
@@ -116,8 +117,8 @@ def main() -> None:
             program = "head" if "head" in event["args"]["hlo_module"] else "layers"
             part = names[program].get(op) or "XLA " + NUMBERED.sub("", op)  # a fusion by its kind
             totals[program][part] += event["dur"] / 1000 / args.steps
-    print(f"{args.model}, {args.quantization}, {args.seqs} sequence(s), bucket {plan.bucket}; "
-          f"load average {os.getloadavg()[0]:.1f}; ms per step:")
+    print(f"{machine.cpu_name()}, native kernels {machine.native_isa()}; {args.model}, {args.quantization}, "
+          f"{args.seqs} sequence(s), bucket {plan.bucket}; load average {os.getloadavg()[0]:.1f}; ms per step:")
     for program, parts in totals.items():
         print(f"  {program} program: thunks {sum(parts.values()):.3f} ms")
         xla = sum(ms for part, ms in parts.items() if part.startswith("XLA"))
