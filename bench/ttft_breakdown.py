@@ -67,6 +67,48 @@ def match_requests(adds: list[dict], measured: list, lengths) -> dict[str, int]:
     return ids
 
 
+def step_rows(adds: list[dict], dispatches: list[dict], collects: list[dict], start: float, price) -> list[dict]:
+    """The steps of the measured run (those dispatched after the first request was taken: the
+    warm-up's first runs come before), each priced by the cost model (`price`: SimStep -> seconds);
+    times from `start`, the run's start on the trace's clock."""
+    t_first_add = min(a["t"] for a in adds)
+    steps = []
+    for d, c in zip(dispatches, collects):
+        if d["t"] < t_first_add:
+            continue
+        chunks = tuple((start_, n) for _, start_, n, _ in d["chunks"])
+        steps.append({"dispatched": d["t"] - start, "collected": c["t"] - start, "waited": c["t"] - c["t0"],
+                      "chunks": d["chunks"], "predicted_s": price(SimStep(chunks)),
+                      "prefill_tokens": sum(n for _, _, n, _ in d["chunks"] if n > 1),
+                      "decodes": sum(1 for _, _, n, _ in d["chunks"] if n == 1)})
+    for prev, step in zip(steps, steps[1:]):
+        # From the previous step's collection, or from its own dispatch when that came later (a step
+        # planned after its predecessor was in: the engine was idle, or held the plan back).
+        step["measured_s"] = step["collected"] - max(prev["collected"], step["dispatched"])
+    return steps
+
+
+def request_rows(index: dict[str, int], adds: list[dict], dispatches: list[dict], firsts: list[dict],
+                 measured: list, side_by_side: list[dict]) -> list[dict]:
+    """Each matched request's measured TTFT split at the trace's events, beside report.per_request's
+    row for it (`side_by_side`), in workload order."""
+    first_dispatch, first_collect = {}, {f["request"]: f["t"] for f in firsts}
+    for d in dispatches:
+        for rid, *_ in d["chunks"]:
+            first_dispatch.setdefault(rid, d["t"])
+    added = {a["request"]: a for a in adds}
+    rows = []
+    for rid, i in index.items():
+        m, row = measured[i], side_by_side[i]
+        rows.append({"index": i, **row, "intake_s": added[rid]["t"] - m.sent_at,
+                     "wait_s": first_dispatch[rid] - added[rid]["t"],
+                     "prefill_s": first_collect[rid] - first_dispatch[rid],
+                     "delivery_s": m.first_at - first_collect[rid],
+                     "sim_prefill_s": row["sim_ttft_s"] - row["sim_wait_s"]})
+    rows.sort(key=lambda row: row["index"])
+    return rows
+
+
 def breakdown(report: dict, rate: float, work: Path, num_requests: int | None = None) -> dict:
     w = report["workload"]
     workload = Workload(tuple(map(tuple, w["lengths"][:num_requests])), tuple(w["unit_arrivals"][:num_requests]))
@@ -83,39 +125,9 @@ def breakdown(report: dict, rate: float, work: Path, num_requests: int | None = 
     index = match_requests(adds, measured, workload.lengths)
     start = next(m.scheduled_at - a for m, a in zip(measured, workload.arrivals(rate)) if m.ok)
 
-    # The steps of the measured run (those dispatched after the first request was taken: the
-    # warm-up's first runs come before), each priced by the cost model.
     price = model.pricer(settings.max_num_seqs, settings.max_num_batched_tokens)
-    t_first_add = min(a["t"] for a in adds)
-    steps = []
-    for d, c in zip(dispatches, collects):
-        if d["t"] < t_first_add:
-            continue
-        chunks = tuple((start_, n) for _, start_, n, _ in d["chunks"])
-        steps.append({"dispatched": d["t"] - start, "collected": c["t"] - start, "waited": c["t"] - c["t0"],
-                      "chunks": d["chunks"], "predicted_s": price(SimStep(chunks)),
-                      "prefill_tokens": sum(n for _, _, n, _ in d["chunks"] if n > 1),
-                      "decodes": sum(1 for _, _, n, _ in d["chunks"] if n == 1)})
-    for prev, step in zip(steps, steps[1:]):
-        # From the previous step's collection, or from its own dispatch when that came later (a step
-        # planned after its predecessor was in: the engine was idle, or held the plan back).
-        step["measured_s"] = step["collected"] - max(prev["collected"], step["dispatched"])
-
-    first_dispatch, first_collect = {}, {f["request"]: f["t"] for f in firsts}
-    for d in dispatches:
-        for rid, *_ in d["chunks"]:
-            first_dispatch.setdefault(rid, d["t"])
-    added = {a["request"]: a for a in adds}
-    side_by_side = per_request(sim, measured)
-    rows = []
-    for rid, i in index.items():
-        m, row = measured[i], side_by_side[i]
-        rows.append({"index": i, **row, "intake_s": added[rid]["t"] - m.sent_at,
-                     "wait_s": first_dispatch[rid] - added[rid]["t"],
-                     "prefill_s": first_collect[rid] - first_dispatch[rid],
-                     "delivery_s": m.first_at - first_collect[rid],
-                     "sim_prefill_s": row["sim_ttft_s"] - row["sim_wait_s"]})
-    rows.sort(key=lambda row: row["index"])
+    steps = step_rows(adds, dispatches, collects, start, price)
+    rows = request_rows(index, adds, dispatches, firsts, measured, per_request(sim, measured))
     return {"rate_rps": rate, "wall_s": wall, "settings": settings.label,
             "ttft_p99_s": p99([r["ttft_s"] for r in rows]), "sim_ttft_p99_s": p99([r["sim_ttft_s"] for r in rows]),
             "tpot_p99_s": p99([r["tpot_s"] for r in rows if r["tpot_s"] is not None]),
