@@ -55,8 +55,9 @@ def read_trace(path: Path) -> tuple[list[dict], list[dict], list[dict], list[dic
 
 def match_requests(adds: list[dict], measured: list, lengths) -> dict[str, int]:
     """Engine request id -> workload index: the same prompt length, the POST sent closest before the
-    handler's arrival time (both on CLOCK_MONOTONIC)."""
-    free = {i for i, m in enumerate(measured) if m.ok}
+    handler's arrival time (both on CLOCK_MONOTONIC). Failed requests are matched too, so that the
+    add of one the engine took and then failed does not take a served request's place."""
+    free = set(range(len(measured)))
     ids = {}
     for add in sorted(adds, key=lambda a: a["arrival"]):
         same = [i for i in free if lengths[i][0] == add["prompt_len"] and lengths[i][1] == add["max_tokens"]]
@@ -89,24 +90,32 @@ def step_rows(adds: list[dict], dispatches: list[dict], collects: list[dict], st
 
 
 def request_rows(index: dict[str, int], adds: list[dict], dispatches: list[dict], firsts: list[dict],
-                 measured: list, side_by_side: list[dict]) -> list[dict]:
-    """Each matched request's measured TTFT split at the trace's events, beside report.per_request's
-    row for it (`side_by_side`), in workload order."""
+                 measured: list, side_by_side: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Each served request's measured TTFT split at the trace's events, beside report.per_request's
+    row for it (`side_by_side`), in workload order; and each other request (failed, or with no first
+    token in the trace) as {index, request: its engine id or None, error}."""
     first_dispatch, first_collect = {}, {f["request"]: f["t"] for f in firsts}
     for d in dispatches:
         for rid, *_ in d["chunks"]:
             first_dispatch.setdefault(rid, d["t"])
     added = {a["request"]: a for a in adds}
-    rows = []
+    rows, failed = [], []
     for rid, i in index.items():
         m, row = measured[i], side_by_side[i]
+        if not m.ok or rid not in first_collect:  # (a first token comes after a dispatch)
+            failed.append({"index": i, "request": rid, "error": m.error or "served, but the trace has no first token"})
+            continue
         rows.append({"index": i, **row, "intake_s": added[rid]["t"] - m.sent_at,
                      "wait_s": first_dispatch[rid] - added[rid]["t"],
                      "prefill_s": first_collect[rid] - first_dispatch[rid],
                      "delivery_s": m.first_at - first_collect[rid],
                      "sim_prefill_s": row["sim_ttft_s"] - row["sim_wait_s"]})
+    matched = set(index.values())
+    failed += [{"index": i, "request": None, "error": m.error or "served, but no add event in the trace matched it"}
+               for i, m in enumerate(measured) if i not in matched]
     rows.sort(key=lambda row: row["index"])
-    return rows
+    failed.sort(key=lambda f: f["index"])
+    return rows, failed
 
 
 def breakdown(report: dict, rate: float, work: Path, num_requests: int | None = None) -> dict:
@@ -123,16 +132,19 @@ def breakdown(report: dict, rate: float, work: Path, num_requests: int | None = 
     sim = simulate_at(settings, workload, rate, model)
     adds, dispatches, collects, firsts = read_trace(trace)
     index = match_requests(adds, measured, workload.lengths)
-    start = next(m.scheduled_at - a for m, a in zip(measured, workload.arrivals(rate)) if m.ok)
+    served = [(m, a) for m, a in zip(measured, workload.arrivals(rate)) if m.ok]
+    if not served:
+        raise SystemExit(f"every request failed (the first: {measured[0].error}); see {work / 'server.log'}")
+    start = served[0][0].scheduled_at - served[0][1]
 
     price = model.pricer(settings.max_num_seqs, settings.max_num_batched_tokens)
     steps = step_rows(adds, dispatches, collects, start, price)
-    rows = request_rows(index, adds, dispatches, firsts, measured, per_request(sim, measured))
+    rows, failed = request_rows(index, adds, dispatches, firsts, measured, per_request(sim, measured))
     return {"rate_rps": rate, "wall_s": wall, "settings": settings.label,
             "ttft_p99_s": p99([r["ttft_s"] for r in rows]), "sim_ttft_p99_s": p99([r["sim_ttft_s"] for r in rows]),
             "tpot_p99_s": p99([r["tpot_s"] for r in rows if r["tpot_s"] is not None]),
             "sim_tpot_p99_s": p99([r["sim_tpot_s"] for r in rows if r["sim_tpot_s"] is not None]),
-            "steps": len(steps), "sim_steps": sim.num_steps, "requests": rows, "step_trace": steps,
+            "steps": len(steps), "sim_steps": sim.num_steps, "requests": rows, "failed": failed, "step_trace": steps,
             "sim_step_trace": [{"end_s": st.end_s, "chunks": st.chunks} for st in sim.steps]}
 
 
@@ -155,6 +167,11 @@ def summarize(out: dict) -> str:
             measured, predicted = sum(s["measured_s"] for s in group), sum(s["predicted_s"] for s in group)
             lines.append(f"steps {name}: {len(group)}, measured {measured:.1f} s, priced {predicted:.1f} s "
                          f"({predicted / measured - 1:+.0%})")
+    failed = out["failed"]
+    if failed:
+        more = f"; {len(failed) - 5} more in the JSON's failed" if len(failed) > 5 else ""
+        lines.append(f"failed: {len(failed)} of {len(rows) + len(failed)} requests, left out of the figures above: "
+                     + "; ".join(f"#{f['index']} {f['error']}" for f in failed[:5]) + more)
     return "\n".join(lines)
 
 
