@@ -6,7 +6,7 @@ section, each in its own process under its own time limit.
     python bench/gpu_check.py --smoke     # the same code at tiny shapes on CPU (`make gpu-dry-run`)
     python bench/gpu_check.py --sections kernels,engine --out results.json   # some sections only
 
-1. tests: `pytest -m gpu tests/gpu tests/engine/test_batched_equals_solo.py` (GPU_TESTS) in a
+1. tests: `pytest -m gpu` over GPU_TESTS (tests/gpu and the batched == solo matrix) in a
    subprocess (on CPU they are all skipped, which it reports).
 2. kernels: at Llama-3-8B (32 / 8 heads x 128) and 13B-like (40 / 40 x 128) shapes, bf16 and f32, for
    a decode batch, a prefill and a mixed batch: the largest |error| of the Pallas kernel and of the XLA
@@ -62,8 +62,9 @@ BANDWIDTH = [("H200", 4.8e12), ("GH200", 4.0e12), ("H100 NVL", 3.9e12), ("H100 P
              ("L4", 0.3e12), ("A10", 0.6e12), ("RTX 4090", 1.008e12)]
 KERNEL_SHAPES = {"llama3-8b": (32, 8, 128), "llama2-13b": (40, 40, 128)}  # heads, KV heads, head dim
 SECTIONS = ("tests", "kernels", "engine")
-# Where the `gpu` tests are (bench/gpu_run.sh names the same): tests/gpu and the GPU cases of the
-# batched == solo matrix.
+# Where the `gpu` tests are (bench/gpu_run.sh reads them with --print-gpu-tests): tests/gpu and the
+# GPU cases of the batched == solo matrix. Not `pytest -m gpu tests`: that would import every test
+# module, some of which need gguf, which the GPU image lacks.
 GPU_TESTS = ("tests/gpu", "tests/engine/test_batched_equals_solo.py")
 LLAMA3_8B = ModelConfig(name="llama3-8b-dummy", architecture="llama", vocab_size=128256, d_model=4096, n_layers=32,
                         n_heads=32, n_kv_heads=8, d_ff=14336, max_position=8192, rope_theta=500000.0,
@@ -290,7 +291,12 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join(SECTIONS)} (default: all)")
     parser.add_argument("--tests-timeout", type=float, default=240.0, help="seconds allowed for the gpu tests")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--print-gpu-tests", action="store_true",
+                        help="print where the gpu tests are (GPU_TESTS, for bench/gpu_run.sh) and exit")
     args = parser.parse_args()
+    if args.print_gpu_tests:
+        print(*GPU_TESTS)
+        return
     sections = args.sections.split(",")
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:

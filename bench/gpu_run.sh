@@ -104,10 +104,16 @@ print("devices:", jax.devices())'
 # GPU that fails to start is an error, not every test skipped); the CPU stays the default device.
 PLATFORMS=()
 [ "$SMOKE" = 1 ] || PLATFORMS=(env JAX_PLATFORMS=cpu,cuda)
-# (Where they are: tests/gpu and the batched == solo matrix's GPU cases, as bench/gpu_check.py's GPU_TESTS.)
-section tests "$TESTS_S" "${PLATFORMS[@]}" "$PYTHON" -m pytest -v -m gpu tests/gpu tests/engine/test_batched_equals_solo.py \
-    -p no:cacheprovider \
-    --junitxml="$OUT/tests.xml"
+# Where they are: bench/gpu_check.py's GPU_TESTS (an empty list would have pytest collect every test).
+read -ra GPU_TESTS <<<"$("$PYTHON" bench/gpu_check.py --print-gpu-tests 2>>"$LOG")"
+if [ ${#GPU_TESTS[@]} -gt 0 ]; then
+    section tests "$TESTS_S" "${PLATFORMS[@]}" "$PYTHON" -m pytest -v -m gpu "${GPU_TESTS[@]}" -p no:cacheprovider \
+        --junitxml="$OUT/tests.xml"
+else
+    log "tests: bench/gpu_check.py --print-gpu-tests named none (its error is above); the gpu tests did not run"
+    SUMMARY+=("$(printf '%-8s %-24s %4d s' tests "failed (no test paths)" 0)")
+    FAILED=1
+fi
 
 # gpu_check.py, one process per section (each starts its own backend, under its own limit).
 for name in kernels engine; do

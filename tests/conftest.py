@@ -87,8 +87,8 @@ def pytest_collection_modifyitems(config, items):
     if gpu_devices():
         return
     skip = pytest.mark.skip(reason=f"needs a GPU; this machine has only {jax.default_backend()} devices "
-                                   "(on a GPU machine: bench/gpu_run.sh, or python -m pytest -m gpu tests/gpu "
-                                   "tests/engine/test_batched_equals_solo.py)")
+                                   "(on a GPU machine: bench/gpu_run.sh, or python -m pytest -m gpu "
+                                   "$(python bench/gpu_check.py --print-gpu-tests))")
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+from gpu_check import GPU_TESTS
 from orca_jax.config import REPO_ROOT
 
 
@@ -26,6 +27,8 @@ def test_the_gpu_run_completes_on_cpu_without_the_optional_packages(tmp_path):
     report = (tmp_path / "tests.xml").read_text()  # every gpu test collected, none run here
     counts = dict(re.findall(r'(tests|skipped|failures|errors)="(\d+)"', report)[:4])
     assert int(counts["tests"]) >= 10 and counts["skipped"] == counts["tests"], counts
+    for path in GPU_TESTS:  # where gpu_run.sh took them from (gpu_check.py --print-gpu-tests)
+        assert re.search(rf'classname="{re.escape(path.removesuffix(".py").replace("/", "."))}[".]', report), path
 
     kernels = json.loads((tmp_path / "gpu_check_kernels.json").read_text())
     assert kernels["smoke"] and kernels["platform"] == "cpu" and kernels["sections"] == ["kernels"]
