@@ -95,7 +95,7 @@ def main() -> None:
         called = time.perf_counter()
         sampling, speculation = runner.head_inputs.sampling(plan, stage.replicated), runner.head_inputs.speculation(plan)
         packed_head = time.perf_counter()
-        out, _ = head(stage.param_leaves, x, sampling, speculation, stage.token_pages, None)
+        out, _ = head(stage.head_param_leaves, x, sampling, speculation, stage.token_pages, None)
         headed = time.perf_counter()
         jax.block_until_ready(out)
         return (packed - start) + (packed_head - called), called - packed, headed - packed_head, time.perf_counter() - start

@@ -154,10 +154,25 @@ class DecoderStage(nnx.Module):
         return (x[logits_index] if self.last else x), kv_caches
 
     def logits(self, x: Float[Array, "S D"], num_rows: Int[Array, ""] | None = None) -> Float[Array, "S V"]:
-        """The last stage's final norm and LM head, apart from the layers: the runner compiles this
-        per sequence bucket and the layers per token bucket only. Rows from `num_rows` on are the
-        bucket's padding (the native matmul leaves them zero)."""
+        """The last stage's final norm and LM head, apart from the layers (as `LMHead`)."""
         return project_logits(self.final_norm, self.head, x, None, self.config.final_logit_softcap, num_rows)
+
+
+class LMHead(nnx.Module):
+    """The last stage's final norm and LM head alone, referring to the stage's own submodules
+    (nothing is copied). The runner compiles them per sequence bucket and the layers per token
+    bucket only, and the head's program takes only these parameters: a compiled call checks every
+    argument it is given, and handed all of SmolLM2's 272 arrays the head's call took 0.19 ms of
+    host time per decode step, given its 2 it takes 0.09 ms (AMD EPYC Zen 4)."""
+
+    def __init__(self, stage: DecoderStage):
+        self.final_norm, self.head = stage.final_norm, stage.head
+        self.soft_cap = stage.config.final_logit_softcap
+
+    def __call__(self, x: Float[Array, "S D"], num_rows: Int[Array, ""] | None = None) -> Float[Array, "S V"]:
+        """Logits of the rows of x; rows from `num_rows` on are the bucket's padding (the native
+        matmul leaves them zero)."""
+        return project_logits(self.final_norm, self.head, x, None, self.soft_cap, num_rows)
 
 
 def embed_tokens(embed: Embed, pos_embed: Embed | None, token_ids: Int[Array, " T"],

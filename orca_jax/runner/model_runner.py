@@ -335,7 +335,7 @@ class ModelRunner:
                 draft_inputs, draft_sampling, draft_speculation = (
                     packed.unpack() for packed in jax.device_put((inputs, sampling, speculation), stage.replicated))
                 draft_probs = self.drafter.catch_up(plan, draft_inputs, draft_sampling, draft_speculation)
-            x, fed_tokens = self.programs.get(stage, "head", num_rows)(stage.param_leaves, x, sampling, speculation,
+            x, fed_tokens = self.programs.get(stage, "head", num_rows)(stage.head_param_leaves, x, sampling, speculation,
                                                                        stage.token_pages, draft_probs)
             if stage.first:
                 stage.fed_tokens = fed_tokens

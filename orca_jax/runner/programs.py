@@ -91,7 +91,7 @@ class Programs:
             # Compiled for the metadata on every device of the stage, where a step's call places it.
             metadata = jax.device_put((self.head_inputs.sampling(plan, stage.replicated),
                                        self.head_inputs.speculation(plan)), stage.replicated)
-            args = (stage.param_leaves, row_tokens, *metadata, stage.token_pages, draft_probs)
+            args = (stage.head_param_leaves, row_tokens, *metadata, stage.token_pages, draft_probs)
             program = stage.head_program
             out_tree = jax.tree.structure((result_shapes(size, self.kv_layout), 0))
         return self.executable_store.load_or_compile(

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from orca_jax.config import ConfigError
 from orca_jax.engine.step_plan import KVLayout
-from orca_jax.model.decoder import Decoder, DecoderStage
+from orca_jax.model.decoder import Decoder, DecoderStage, LMHead
 from orca_jax.model.linear import linear_methods
 from orca_jax.model.sampler import SamplerOutput, SamplingMetadata, sample
 from orca_jax.parallel import kv_cache_sharding, param_shardings
@@ -47,6 +47,7 @@ class Stage:
     # `params` flattened once: the programs take the leaves, so a step does not flatten the
     # State's ~270 variables at every call (~1.5 ms of host time per step)
     param_leaves: list = dataclasses.field(default_factory=list)
+    head_param_leaves: list = dataclasses.field(default_factory=list)  # the last stage's LMHead's, for its head program
     kv_caches: list = dataclasses.field(default_factory=list)  # one (k_pages, v_pages) per layer
     # A speculating runner's last stage: the token id of every KV slot [P + 1, page] (speculation.py)
     token_pages: Any = None
@@ -59,7 +60,7 @@ class Stage:
     # Each matrix's linear method (model/linear.py), part of every program's cache key: two layouts
     # can hold arrays of one shape (Q5_0 and Q5_K rows are both 22 bytes per 32 weights)
     linear_methods: str = ""
-    # the last stage's jitted (params, logit-row activations [R_max, D], sampling [R], speculation,
+    # the last stage's jitted (head_param_leaves, logit-row activations [R_max, D], sampling [R], speculation,
     # token_pages) -> (SamplerOutput, or SpeculativeOutput when speculating; the sampled tokens
     # padded to [R_max], the next fed_tokens)
     head_program: Callable | None = None
@@ -97,7 +98,10 @@ def build_stage(recipe: StageRecipe, index: int, layers: range, mesh: Mesh) -> S
     graphdef, params = _place_params(recipe, layers, mesh, replicated, first=first, last=last)
     kv_sharding = kv_cache_sharding(mesh)
     zeros = jax.jit(lambda: jnp.zeros(recipe.kv_shape, recipe.kv_dtype), out_shardings=kv_sharding)
-    run_layers, run_head = _stage_functions(recipe, graphdef, jax.tree.structure(params), mesh, first=first)
+    module = nnx.merge(graphdef, params)
+    head_graphdef, head_params = nnx.split(LMHead(module)) if last else (None, None)
+    run_layers, run_head = _stage_functions(recipe, graphdef, jax.tree.structure(params), head_graphdef,
+                                            jax.tree.structure(head_params), mesh, first=first)
     # Pinning output placements keeps the donated caches' sharding identical across steps, so a
     # step's outputs are always valid inputs of the next.
     token_pages = None
@@ -109,7 +113,8 @@ def build_stage(recipe: StageRecipe, index: int, layers: range, mesh: Mesh) -> S
                              out_shardings=(replicated, kv_sharding, None if token_pages is None else replicated))
     head_program = jax.jit(run_head, out_shardings=replicated) if last else None
     return Stage(index, layers, mesh, replicated, first, last, local=True, params=params,
-                 param_leaves=jax.tree.leaves(params), linear_methods=linear_methods(nnx.merge(graphdef, params)),
+                 param_leaves=jax.tree.leaves(params), head_param_leaves=jax.tree.leaves(head_params),
+                 linear_methods=linear_methods(module),
                  kv_caches=[(zeros(), zeros()) for _ in layers], token_pages=token_pages, fed_tokens=fed_tokens,
                  layers_program=layers_program, head_program=head_program)
 
@@ -144,8 +149,10 @@ def _place_params(recipe: StageRecipe, layers: range, mesh: Mesh, replicated: Na
     return graphdef, params
 
 
-def _stage_functions(recipe: StageRecipe, graphdef: nnx.GraphDef, param_treedef, mesh: Mesh, *, first: bool):
-    """The stage's layers and head as functions of the flattened parameters, to be jitted."""
+def _stage_functions(recipe: StageRecipe, graphdef: nnx.GraphDef, param_treedef, head_graphdef: nnx.GraphDef | None,
+                     head_treedef, mesh: Mesh, *, first: bool):
+    """The stage's layers and head as functions of their flattened parameters (the stage's, the
+    LMHead's), to be jitted."""
     attention = sharded_paged_attention(recipe.attention_impl, mesh)
     max_logit_rows, proposer = recipe.kv_layout.max_logit_rows, recipe.proposer
 
@@ -161,11 +168,11 @@ def _stage_functions(recipe: StageRecipe, graphdef: nnx.GraphDef, param_treedef,
             token_pages = write_tokens(token_pages, token_ids, inputs.attention.slot_mapping)
         return x, kv_caches, token_pages
 
-    def run_head(param_leaves, row_tokens, packed_sampling, packed_speculation, token_pages, draft_probs):
+    def run_head(head_param_leaves, row_tokens, packed_sampling, packed_speculation, token_pages, draft_probs):
         sampling: SamplingMetadata = packed_sampling.unpack()
         num_rows = sampling.temperature.shape[0]  # the row bucket: only its rows get logits
-        head = nnx.merge(graphdef, jax.tree.unflatten(param_treedef, param_leaves))
-        logits = head.logits(row_tokens[:num_rows], sampling.num_real_rows)
+        head = nnx.merge(head_graphdef, jax.tree.unflatten(head_treedef, head_param_leaves))
+        logits = head(row_tokens[:num_rows], sampling.num_real_rows)
         sampled = sample(logits, sampling)
         fed = jnp.zeros(max_logit_rows, jnp.int32).at[:num_rows].set(sampled.tokens)
         if packed_speculation is None:
