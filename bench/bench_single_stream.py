@@ -8,10 +8,14 @@ async scheduling on (the default: host work hides behind the device's) or off.
                                         [--quantization-activations auto int8 float32]
                                         [--async-scheduling on off] [--max-num-seqs 32] [--runs 3]
                                         [--rounds 1] [--model smollm2-135m-instruct]
+                                        [--llama-server http://127.0.0.1:8089]
 
 `--rounds N` repeats the whole sweep N times, so the modes alternate (a shared machine's load drifts:
 back-to-back runs of one mode would compare different moments). The load average is recorded at
-each run.
+each run. `--llama-server URL` (a llama-server on the same weights) alternates with it too: after
+each run, the same prompt and greedy 128 tokens there, its own decode timing
+(`timings.predicted_per_second`) kept beside the run as `llama_server_tok_s`, so that a slow spell
+meets both sides of the ratio (bench/compare_llama_cpp.sh).
 
 Prints one line per run and a summary per quantization; saves bench/results/single_stream_new.json
 (or --out): decode tok/s (first token to last), ms per token, the buckets the steps ran in, the bytes
@@ -27,6 +31,7 @@ import collections
 import gc
 import json
 import os
+import urllib.request
 from pathlib import Path
 
 import jax
@@ -40,8 +45,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle. " * 5
 
 
+def llama_server_tok_s(url: str) -> float:
+    """One request to a llama-server, as a run here: the same prompt, 128 greedy tokens; its decode tok/s."""
+    body = json.dumps({"prompt": PROMPT, "n_predict": 128, "temperature": 0, "ignore_eos": True,
+                       "cache_prompt": False}).encode()
+    request = urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return float(json.load(response)["timings"]["predicted_per_second"])
+
+
 def measure(model: str, quantization: str, matmul_impl: str, activations: str, async_scheduling: bool,
-            max_num_seqs: int, num_runs: int, bandwidth: float) -> dict:
+            max_num_seqs: int, num_runs: int, bandwidth: float, llama_server: str | None = None) -> dict:
     llm = LLM(model, max_num_seqs=max_num_seqs, quantization=quantization, matmul_impl=matmul_impl,
               quantization_activations=activations,
               async_scheduling=async_scheduling, show_progress=False)
@@ -50,6 +64,8 @@ def measure(model: str, quantization: str, matmul_impl: str, activations: str, a
         label += f", {activations_for(activations, quantization)} activations"
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm
+    if llama_server is not None:
+        llama_server_tok_s(llama_server)  # warm as well: its first request after start is not a run
     runs = []
     for _ in range(num_runs):
         llm.runner.stats.buckets = collections.Counter()
@@ -60,6 +76,9 @@ def measure(model: str, quantization: str, matmul_impl: str, activations: str, a
                      "buckets": {f"{t}x{s}": n for (t, s), n in llm.runner.stats.buckets.items()}})
         print(f"{label}: decode {1 / per_token:.1f} tok/s ({1000 * per_token:.1f} ms/token), steps per (tokens x seqs) "
               f"bucket: {runs[-1]['buckets']}", flush=True)
+        if llama_server is not None:
+            runs[-1]["llama_server_tok_s"] = llama_server_tok_s(llama_server)
+            print(f"  llama-server, right after: decode {runs[-1]['llama_server_tok_s']:.1f} tok/s", flush=True)
     weight_bytes = sum(x.nbytes for stage in llm.runner.stages for x in jax.tree.leaves(stage.params))
     return {"matmul_impl": llm.runner.matmul_impl, "async_scheduling": async_scheduling, "runs": runs,
             "weight_bytes": weight_bytes, "limit_tok_s": bandwidth / weight_bytes}
@@ -84,6 +103,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "single_stream_new.json")
+    parser.add_argument("--llama-server", metavar="URL",
+                        help="a llama-server on the same weights: one request there after each run (see above)")
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="a preset name or checkpoint folder (e.g. one `orca-jax convert` made of a Q4_K_M GGUF)")
     args = parser.parse_args()
@@ -99,7 +120,7 @@ def main() -> None:
             name += f", {activations} activations" if len(args.quantization_activations) > 1 and quantization != "none" else ""
             name += ", async scheduling off" if async_scheduling == "off" else ""
             result = measure(args.model, quantization, matmul_impl, activations, async_scheduling == "on",
-                             args.max_num_seqs, args.runs, bandwidth)
+                             args.max_num_seqs, args.runs, bandwidth, args.llama_server)
             if name in modes:  # a later round: its runs join the mode's
                 result["runs"] = modes[name]["runs"] + result["runs"]
             modes[name] = with_best(name, result)

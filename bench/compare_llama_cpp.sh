@@ -4,7 +4,8 @@
 # against llama-server on that GGUF, and orca_jax float32 against llama-server on its F32 copy (the
 # same weights dequantized).
 #   1. one request (single stream): decode tok/s of 128 greedy tokens after the same ~80-token prompt
-#      (bench/bench_single_stream.py; llama-server's own `timings.predicted_per_second`);
+#      (bench/bench_single_stream.py; llama-server's own `timings.predicted_per_second`), three runs
+#      each, alternated (ours, theirs, ours, ...): a slow spell of the machine meets both sides;
 #   2. the throughput workload (64 requests, prompts 100-300, outputs 8-256, all at once) at equal
 #      concurrency: `-np N -cb` against `--max-num-seqs N` (SERVING=0 skips it).
 # One thread per core for llama-server, as orca_jax uses. Prints the CPU model, the file's block types
@@ -16,7 +17,7 @@
 # Another GGUF file (a Q4_K_M, say) is converted once for orca_jax (build/compare/<stem>/checkpoint) and
 # copied to F32 once for llama-server; its figures are named by the type in its name (smollm2.Q4_K_M.gguf:
 # q4_k_m; LABEL=... overrides).
-# Writes bench/results/vs_llama_cpp_{orca_jax,orca_jax_gguf,<label>,f32,single_stream}_new.json, prints
+# Writes bench/results/vs_llama_cpp_{orca_jax,orca_jax_gguf,<label>,f32,single_stream_gguf,single_stream_none}_new.json, prints
 # the tables, and gathers the figures with the machine's description (CPU, kernel variant, date, commit)
 # in bench/results/vs_llama_cpp_new.json: for the default file, the file to copy to
 # bench/results/latest/vs_llama_cpp_<cpu>.json (bench/results/README.md), from which docs/performance.md
@@ -49,27 +50,20 @@ r = gguf.GGUFReader(sys.argv[1])
 print(", ".join(f"{n} {t}" for t, n in collections.Counter(t.tensor_type.name for t in r.tensors).most_common()))' "$GGUF")"
 $PY -m orca_jax.native
 
-PYTHONPATH=$PWD $PY bench/bench_single_stream.py --model "$MODEL" --quantization none gguf --runs 3 \
-    --out bench/results/vs_llama_cpp_single_stream_new.json
-if [ "$SERVING" != 0 ]; then
-    "${BENCH[@]}" --model "$MODEL" --policies chunked --max-num-seqs "$N" --out bench/results/vs_llama_cpp_orca_jax_new.json
-    "${BENCH[@]}" --model "$MODEL" --policies chunked --max-num-seqs "$N" --quantization gguf \
-        --out bench/results/vs_llama_cpp_orca_jax_gguf_new.json
-fi
-
-PROMPT=$(PYTHONPATH=$PWD $PY -c "import sys; sys.path.insert(0, 'bench'); from bench_single_stream import PROMPT; print(PROMPT)")
+# Each file's llama-server is up while our runs on the same weights alternate with its own; it idles
+# (no CPU) while our serving runs go.
 for weights in "$LABEL" f32; do
-    gguf=$GGUF; [ "$weights" = f32 ] && gguf=$F32
+    gguf=$GGUF quantization=gguf; [ "$weights" = f32 ] && gguf=$F32 quantization=none
     "$LLAMA_SERVER" -m "$gguf" -np "$N" -cb -c $((N * 1024)) -t "$(nproc)" --port 8089 >/dev/null 2>&1 &
     server=$!
     until curl -sf http://127.0.0.1:8089/health >/dev/null; do sleep 1; done
-    for run in 1 2 3; do  # one request alone: llama-server's own decode timing
-        $PY -c 'import json, sys; print(json.dumps({"prompt": sys.argv[1], "n_predict": 128, "temperature": 0,
-                 "ignore_eos": True, "cache_prompt": False}))' "$PROMPT" |
-            curl -sf http://127.0.0.1:8089/completion -H 'Content-Type: application/json' -d @- |
-            $PY -c 'import json, sys; print(json.load(sys.stdin)["timings"]["predicted_per_second"])'
-    done > "bench/results/vs_llama_cpp_${weights}_single_stream_new.txt"
-    [ "$SERVING" = 0 ] || "${BENCH[@]}" --url http://127.0.0.1:8089 --out "bench/results/vs_llama_cpp_${weights}_new.json" || true
+    PYTHONPATH=$PWD $PY bench/bench_single_stream.py --model "$MODEL" --quantization "$quantization" --runs 3 \
+        --llama-server http://127.0.0.1:8089 --out "bench/results/vs_llama_cpp_single_stream_${quantization}_new.json"
+    if [ "$SERVING" != 0 ]; then
+        "${BENCH[@]}" --model "$MODEL" --policies chunked --max-num-seqs "$N" --quantization "$quantization" \
+            --out "bench/results/vs_llama_cpp_orca_jax$([ "$quantization" = gguf ] && echo _gguf)_new.json"
+        "${BENCH[@]}" --url http://127.0.0.1:8089 --out "bench/results/vs_llama_cpp_${weights}_new.json" || true
+    fi
     kill "$server"; wait "$server" 2>/dev/null || true
 done
 
@@ -82,14 +76,15 @@ sys.path.insert(0, "bench")
 import machine
 R = Path("bench/results")
 label = os.environ["LABEL"]
-single = json.loads((R / "vs_llama_cpp_single_stream_new.json").read_text())
-print(f"\none request, decode tok/s (best of 3), native kernels: {single['native_isa']}")
+# The two single-stream runs (each alternated with its llama-server) as one record.
+single = json.loads((R / "vs_llama_cpp_single_stream_gguf_new.json").read_text())
+single["quantization"].update(json.loads((R / "vs_llama_cpp_single_stream_none_new.json").read_text())["quantization"])
+llama_single = {llama: [run["llama_server_tok_s"] for run in single["quantization"][orca]["runs"]]
+                for orca, llama in (("gguf", label), ("none", "f32"))}
+print(f"\none request, decode tok/s (best of 3, alternated), native kernels: {single['native_isa']}")
 for orca, llama in (("gguf", label), ("none", "f32")):
-    mine = single["quantization"][orca]["best_tok_s"]
-    theirs = max(float(x) for x in (R / f"vs_llama_cpp_{llama}_single_stream_new.txt").read_text().split())
+    mine, theirs = single["quantization"][orca]["best_tok_s"], max(llama_single[llama])
     print(f"  orca_jax {orca:4s} {mine:6.1f}   llama-server {llama.upper():6s} {theirs:6.1f}   {mine / theirs:.2f}x")
-llama_single = {w: [float(x) for x in (R / f"vs_llama_cpp_{w}_single_stream_new.txt").read_text().split()]
-                for w in (label, "f32")}
 combined = {"bench": "vs_llama_cpp", "machine": machine.describe(), "concurrency": int(os.environ["N"]),
             "gguf_file": os.environ["GGUF"], "forced_native_isa": os.environ.get("ORCA_JAX_NATIVE_ISA"), "single_stream": single, "llama_server_single_stream_tok_s": llama_single}
 if os.environ["SERVING"] != "0":
