@@ -197,8 +197,9 @@ def startup(d: dict) -> list[str]:
 # Page order; each entry: title, what the bench measures and how to rerun it, its table maker.
 BENCHES: dict[str, tuple[str, str, Callable[[dict], list[str]]]] = {
     "vs_llama_cpp": ("Against llama.cpp", "orca_jax and llama.cpp's `llama-server` on the same GGUF file (the default "
-                     "model's Q4_1 blocks, and its float32 copy), one after the other on one machine: one request "
-                     "alone, and 64 requests of the `throughput` workload at equal concurrency. "
+                     "model's Q4_1 blocks, and its float32 copy) on one machine: one request alone (best of 3 "
+                     "runs each, ours and llama-server's alternated since 2026-12-05), and 64 requests of the "
+                     "`throughput` workload at equal concurrency. "
                      "`bench/compare_llama_cpp.sh`.", vs_llama_cpp),
     "single_stream": ("One request", "Decode speed of one greedy request per weight format, against the weights' "
                       "memory-speed limit (numpy's copy bandwidth over the bytes every token reads). "
