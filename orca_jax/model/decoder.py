@@ -154,8 +154,8 @@ class DecoderStage(nnx.Module):
         return (x[logits_index] if self.last else x), kv_caches
 
     def logits(self, x: Float[Array, "S D"], num_rows: Int[Array, ""] | None = None) -> Float[Array, "S V"]:
-        """The last stage's final norm and LM head, apart from the layers (as `LMHead`)."""
-        return project_logits(self.final_norm, self.head, x, None, self.config.final_logit_softcap, num_rows)
+        """The last stage's final norm and LM head, apart from the layers: `LMHead`'s logits."""
+        return LMHead(self)(x, num_rows)
 
 
 class LMHead(nnx.Module):
