@@ -11,13 +11,16 @@ Q4_K's and Q5_K's -(dmin * min), else 0; s the block's scale (Q6_K: one for weig
 16-31; the K-quants' d * sc; int8 rows: 1, the row scale applied last).
 
 The native kernel (cpu/quantized_matmul_int8.cc) and `matmul_reference` compute one output element
-as 16 float lanes over pairs of blocks (blocks 2p and 2p + 1; an odd count's last block is paired
-with a zero one). Lane 8h + 4e + k of pair p covers weights 16h + 4k .. 16h + 4k + 3 of block 2p + e:
+as 16 float lanes over steps of G blocks (blocks Gp .. Gp + G - 1; the block count padded with zero
+blocks to a multiple of G). Integer first: every format but Q6_K has one scale per block, so G = 4
+and lane 4e + k of step p covers the 8 weights 4k .. 4k + 3 and 16 + 4k .. 16 + 4k + 3 of block
+4p + e (its two halves summed as integers before any float step). Q6_K, a scale per half block,
+takes G = 2: lane 8h + 4e + k of step p covers weights 16h + 4k .. 16h + 4k + 3 of block 2p + e.
 
-    int_lane = sum over its 4 weights of q_x * (q_w - offset)            (exact: integers)
+    int_lane = sum over its weights of q_x * (q_w - offset)              (exact: integers)
     acc = fma(float(int_lane), f32(s_lane * d_lane), acc)                (s of the lane's block and half)
 
-pairs in order, each operation rounded once to f32. Formats with a minimum sum it apart, per group of
+steps in order, each operation rounded once to f32. Formats with a minimum sum it apart, per group of
 16 blocks (the block count padded with zero blocks to a multiple of 16), lane i of group g taking
 block 16g + i:
 
@@ -114,19 +117,28 @@ def block_integers(format: str, weights: np.ndarray):
     return q.reshape(out, -1, BLOCK), s.reshape(out, -1, 2), m.reshape(out, -1)
 
 
-def _lanes(values: np.ndarray) -> np.ndarray:
-    """[..., 2B, 32] (B pairs of blocks) -> [..., B, 16, 4]: lane 8h + 4e + k of pair p holds weights
-    16h + 4k .. + 3 of block 2p + e."""
-    lead = values.shape[:-2]
-    v = values.reshape(lead + (-1, 2, 2, 4, 4))  # [..., pair, e, h, k, 4]
-    return np.swapaxes(v, -4, -3).reshape(lead + (-1, LANES, 4))
+def step_blocks(format: str) -> int:
+    """G, the blocks whose products one step's 16 lanes hold (the rule above)."""
+    return 2 if format == "q6_k" else 4
 
 
-def _per_lane(values: np.ndarray) -> np.ndarray:
-    """A value per block and half [..., 2B, 2] -> per lane [..., B, 16] (lane 8h + 4e + k)."""
+def _lanes(values: np.ndarray, g: int) -> np.ndarray:
+    """[..., gS, 32] (S steps) -> [..., S, 16, 64 / g]: the weights of each lane (the rule above)."""
     lead = values.shape[:-2]
-    v = np.swapaxes(values.reshape(lead + (-1, 2, 2)), -1, -2)  # [..., pair, h, e]
-    return np.repeat(v.reshape(lead + (-1, 4)), 4, axis=-1)
+    v = values.reshape(lead + (-1, g, 2, 4, 4))  # [..., step, e, h, k, 4]
+    if g == 2:  # lane 8h + 4e + k
+        return np.swapaxes(v, -4, -3).reshape(lead + (-1, LANES, 4))
+    return np.swapaxes(v, -3, -2).reshape(lead + (-1, LANES, 8))  # lane 4e + k, [h, 4] within
+
+
+def _per_lane(values: np.ndarray, g: int) -> np.ndarray:
+    """A value per block and half [..., gS, 2] -> per lane [..., S, 16]."""
+    lead = values.shape[:-2]
+    if g == 2:
+        v = np.swapaxes(values.reshape(lead + (-1, 2, 2)), -1, -2)  # [..., step, h, e]
+        return np.repeat(v.reshape(lead + (-1, 4)), 4, axis=-1)
+    assert np.array_equal(values[..., 0], values[..., 1]), "integer first needs one scale per block"
+    return np.repeat(values[..., 0].reshape(lead + (-1, 4)), 4, axis=-1)
 
 
 def matmul_reference(x: np.ndarray, format: str, weights: np.ndarray, scales: np.ndarray | None = None,
@@ -139,11 +151,13 @@ def matmul_reference(x: np.ndarray, format: str, weights: np.ndarray, scales: np
     qx, dx = quantize_reference(x)
     qw, s, m = block_integers(format, weights)
     qw = qw - OFFSETS.get(format, 0)
-    if qx.shape[1] % 2:  # pair the last block with a zero one
-        qx, dx, qw, s, m = (np.concatenate([a, np.zeros_like(a[:, :1])], axis=1) for a in (qx, dx, qw, s, m))
-    ints = np.einsum("tpla,opla->topl", _lanes(qx.astype(np.int64)), _lanes(qw.astype(np.int64)))
-    dx_lanes = _per_lane(np.repeat(dx[..., None], 2, axis=-1))  # [T, P, 16]
-    scale = (_per_lane(s)[None] * dx_lanes[:, None]).astype(np.float32)  # [T, O, P, 16], rounded once
+    g = step_blocks(format)
+    real = qx.shape[1]
+    pad = -real % g  # zero blocks up to whole steps
+    qx, dx, qw, s, m = (np.concatenate([a, np.zeros_like(a[:, :pad])], axis=1) for a in (qx, dx, qw, s, m))
+    ints = np.einsum("tpla,opla->topl", _lanes(qx.astype(np.int64), g), _lanes(qw.astype(np.int64), g))
+    dx_lanes = _per_lane(np.repeat(dx[..., None], 2, axis=-1), g)  # [T, S, 16]
+    scale = (_per_lane(s, g)[None] * dx_lanes[:, None]).astype(np.float32)  # [T, O, S, 16], rounded once
     acc = np.zeros(ints.shape[:2] + (LANES,), np.float32)
     for p in range(ints.shape[2]):
         acc = fma_f32(ints[:, :, p].astype(np.float32), scale[:, :, p], acc)
@@ -152,8 +166,8 @@ def matmul_reference(x: np.ndarray, format: str, weights: np.ndarray, scales: np
         block_sums = (qx.astype(np.int64).sum(-1).astype(np.float32) * dx).astype(np.float32)  # [T, B]
         block_sums, m = np.pad(block_sums, ((0, 0), (0, pad))), np.pad(m, ((0, 0), (0, pad)))
         min_acc = np.zeros_like(acc)
-        for g in range(m.shape[1] // LANES):
-            group = slice(g * LANES, (g + 1) * LANES)
+        for first in range(0, m.shape[1], LANES):
+            group = slice(first, first + LANES)
             x_sum, m_g = np.broadcast_arrays(block_sums[:, None, group], m[None, :, group])
             min_acc = fma_f32(x_sum, m_g, min_acc)
         acc = acc + min_acc

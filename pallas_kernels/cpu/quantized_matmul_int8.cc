@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "parallel_for.h"
@@ -23,13 +24,22 @@
 namespace orca_qmm {
 namespace {
 
-// x quantized, per token and pair of blocks (blocks 2p and 2p + 1), in lane order: lane 8h + 4e + k
-// covers weights 16h + 4k .. + 3 of block 2p + e. An odd count's last pair has a zero second block.
+// Blocks per step (G): Q6_K, whose block halves have scales of their own, takes pairs (its lanes
+// each sum 4 products); every other format's block shares one scale between its halves, so a lane
+// sums 4 products of each half as int32 before the float step, and 4 blocks fill the 16 lanes: the
+// conversion, scale multiply and fma run once per 128 weights instead of 64 (the one-token loop is
+// bound by these instructions, not by memory).
+constexpr int step_blocks(Format f) { return f == Format::kQ6_K ? 2 : 4; }
+
+// x quantized, per token and step of G blocks (blocks Gs .. Gs + G - 1), in lane order: byte
+// 16G h + 16e + i is q_x of weight 16h + i of block Gs + e, and lane l sums the products of bytes
+// 4l + i and, for G = 4, 64 + 4l + i (i < 4). Steps past the last block have zero blocks.
 struct Activations {
-  int64_t pairs = 0, groups = 0;  // groups: of 16 blocks (the minimums' unit)
-  std::vector<int8_t> q;           // [T, pairs, 64]: byte 4 lane + i = q_x of the lane's weight i
-  std::vector<int32_t> init;       // [T, pairs, 16]: -offset * (sum of the lane's 4 q_x), where lanes start
-  std::vector<float> d;            // [T, pairs, 16]: the lane's block's d_x
+  int blocks_per_step = 2;         // G
+  int64_t steps = 0, groups = 0;   // groups: of 16 blocks (the minimums' unit)
+  std::vector<int8_t> q;           // [T, steps, 32 G]
+  std::vector<int32_t> init;       // [T, steps, 16]: -offset * (sum of the lane's q_x), where lanes start
+  std::vector<float> d;            // [T, steps, 16]: the lane's block's d_x
   std::vector<float> block_sums;   // [T, groups * 16]: f32(float(sum of the block's 32 q_x) * d_x), zeros after the last
 };
 
@@ -112,27 +122,28 @@ ItemFn pick_isa(int isa) {
 void int8_activations_matmul(xla::ffi::ThreadPool& pool, const std::vector<Problem>& problems,
                              const std::vector<Format>& fs, int isa) {
   const Problem& first = problems[0];  // every problem has the same x
-  // x quantized once per distinct offset (the matrices of one layer share one, mostly): a few KB per
-  // token, on the calling thread, before the rows are shared out.
-  std::vector<int32_t> offsets;
+  // x quantized once per distinct offset and step (the matrices of one layer share them, mostly): a
+  // few KB per token, on the calling thread, before the rows are shared out.
+  std::vector<std::pair<int32_t, int>> layouts;
   std::vector<Activations> quantized;
   std::vector<size_t> of_problem;
   const QuantizeFn quantize = pick_quantize(isa);
   for (Format f : fs) {
-    const int32_t offset = q_offset(f);
-    const size_t known = std::find(offsets.begin(), offsets.end(), offset) - offsets.begin();
+    const std::pair<int32_t, int> layout{q_offset(f), step_blocks(f)};
+    const size_t known = std::find(layouts.begin(), layouts.end(), layout) - layouts.begin();
     of_problem.push_back(known);
-    if (known < offsets.size()) continue;
-    offsets.push_back(offset);
+    if (known < layouts.size()) continue;
+    layouts.push_back(layout);
     Activations& a = quantized.emplace_back();
-    a.pairs = (first.blocks + 1) / 2;
-    const size_t lanes = static_cast<size_t>(first.tokens * a.pairs * kLanes);
-    a.q.assign(4 * lanes, 0);
+    a.blocks_per_step = layout.second;
+    a.steps = (first.blocks + a.blocks_per_step - 1) / a.blocks_per_step;
+    const size_t lanes = static_cast<size_t>(first.tokens * a.steps * kLanes);
+    a.q.assign(2 * a.blocks_per_step * lanes, 0);
     a.init.assign(lanes, 0);
     a.d.assign(lanes, 0.0f);
     a.groups = (first.blocks + 15) / 16;
     a.block_sums.assign(static_cast<size_t>(first.tokens * a.groups * kLanes), 0.0f);
-    for (int64_t t = 0; t < first.tokens; ++t) quantize(first, t, offset, a);
+    for (int64_t t = 0; t < first.tokens; ++t) quantize(first, t, layout.first, a);
   }
   // (f32 rows have no int8 path: the handler refuses them before calling this.)
   std::vector<ItemFn> runs;

@@ -47,9 +47,10 @@ def random_weights(format: str, out: int, inner: int, rng):
 @pytest.mark.parametrize("format", FORMATS)
 def test_every_variant_equals_the_reference_bit_for_bit(variant, format):
     rng = np.random.default_rng(FORMATS.index(format))
-    # in = 608: 19 blocks, an odd count (the last pair's second block is zeros); 1536: SmolLM2's widest.
-    # K-quants take multiples of 256. 67 outputs: a remainder after every tile and work item.
-    widths = (512, 768) if format.endswith("_k") else (608, 1536)
+    # in = 544, 576, 608: 17, 18, 19 blocks, the last step of 4 blocks (Q6_K's of 2) with 1, 2, 3 real
+    # ones, the rest zeros, and the last group of 16 partial; 1536: SmolLM2's widest. K-quants take
+    # multiples of 256. 67 outputs: a remainder after every tile and work item.
+    widths = (512, 768) if format.endswith("_k") else (544, 576, 608, 1536)
     for inner in widths:
         for source in ("random", "quantized"):
             if source == "random":
