@@ -53,7 +53,8 @@ $PY -m orca_jax.native
 # Each file's llama-server is up while our runs on the same weights alternate with its own; it idles
 # (no CPU) while our serving runs go.
 for weights in "$LABEL" f32; do
-    gguf=$GGUF quantization=gguf; [ "$weights" = f32 ] && gguf=$F32 quantization=none
+    gguf=$GGUF quantization=gguf ours=orca_jax_gguf
+    [ "$weights" = f32 ] && gguf=$F32 quantization=none ours=orca_jax
     "$LLAMA_SERVER" -m "$gguf" -np "$N" -cb -c $((N * 1024)) -t "$(nproc)" --port 8089 >/dev/null 2>&1 &
     server=$!
     until curl -sf http://127.0.0.1:8089/health >/dev/null; do sleep 1; done
@@ -61,7 +62,7 @@ for weights in "$LABEL" f32; do
         --llama-server http://127.0.0.1:8089 --out "bench/results/vs_llama_cpp_single_stream_${quantization}_new.json"
     if [ "$SERVING" != 0 ]; then
         "${BENCH[@]}" --model "$MODEL" --policies chunked --max-num-seqs "$N" --quantization "$quantization" \
-            --out "bench/results/vs_llama_cpp_orca_jax$([ "$quantization" = gguf ] && echo _gguf)_new.json"
+            --out "bench/results/vs_llama_cpp_${ours}_new.json"
         "${BENCH[@]}" --url http://127.0.0.1:8089 --out "bench/results/vs_llama_cpp_${weights}_new.json" || true
     fi
     kill "$server"; wait "$server" 2>/dev/null || true
