@@ -76,12 +76,15 @@ LANES = 16  # the native kernel's vector width, which fixes its summation order
 # Zen 3, alternated twice) went 42.9 / 47.8 -> 70.0 / 73.5 tok/s.
 NATIVE_MAX_TOKENS = 32
 # With int8 activations the native kernel keeps ahead of XLA's path (which dequantizes the weights and
-# the activations, then dots) to larger calls: process CPU time of 3 SmolLM2 layers of Q4_1 on a loaded
-# Zen 4 (2026-12-05, bench/results/2026-12-05/): 128 rows 50.9 against 57.8 ms, 512 rows 200 against
-# 138. Prompt chunks of up to 128 tokens thus take the kernel's arithmetic too, and a row's result
-# does not depend on its batch up to there (int8 activations magnify the f32 rounding that differs
-# between the two paths into steps of the activations' quantization).
-INT8_NATIVE_MAX_TOKENS = 128
+# the activations, then dots) to larger calls: 3 SmolLM2 layers of Q5_0 on a quiet AMD Zen 4
+# (2026-12-05, bench/bench_quantized_matmul.py, against XLA's float dot, the faster of its two), once
+# the kernel quantized x over the pool: 256 rows 29.4 against 48.9 ms, 512 rows 61.8 against 77.0,
+# 1024 rows 135 against 131; its AVX2 variant, Q4_1, 512 rows 81 against XLA's AVX-512 76. So every
+# call up to the default token budget per step (SchedulerConfig.max_num_batched_tokens) takes the
+# kernel's arithmetic, and a row's result does not depend on its batch up to there (int8 activations
+# magnify the f32 rounding that differs between the two paths into steps of the activations'
+# quantization). Up to 128 rows, it served 64 requests at 16 in flight at 116 tok/s (Q4_K_M file).
+INT8_NATIVE_MAX_TOKENS = 512
 # For f32 rows XLA's own dot is the other side: a 1-row dot runs on one thread near memory speed
 # already; at 2-8 rows the kernel's reading every row once on every thread wins (Intel Xeon,
 # 2026-12-01, 30 layers of SmolLM2's matrices, 4 x 4 AVX-512 tile: 4 rows 18.7-24.1 against

@@ -43,6 +43,9 @@ struct Activations {
   std::vector<float> block_sums;   // [T, groups * 16]: f32(float(sum of the block's 32 q_x) * d_x), zeros after the last
 };
 
+// Calls of at least this many tokens quantize x over the pool's threads.
+constexpr int64_t kTokensQuantizedInParallel = 64;
+
 int32_t q_offset(Format f) {
   return f == Format::kQ4_0 ? 8 : f == Format::kQ5_0 ? 16 : f == Format::kQ6_K ? 32 : 0;
 }
@@ -123,9 +126,14 @@ void int8_activations_matmul(xla::ffi::ThreadPool& pool, const std::vector<Probl
                              const std::vector<Format>& fs, int isa) {
   const Problem& first = problems[0];  // every problem has the same x
   // x quantized once per distinct offset and step (the matrices of one layer share them, mostly): a
-  // few KB per token, on the calling thread, before the rows are shared out.
+  // few KB per token, on the calling thread, or shared out over the pool for a prompt chunk's many
+  // tokens (on one thread, 512 tokens' cost a tenth of the matmul; a decode step's few are not worth
+  // waking a pool thread for). The buffers are the calling thread's own and keep their capacity from
+  // call to call: allocated anew, a prompt chunk's were fresh pages from the kernel on every call.
+  // (Named through a reference: the lambdas below, run on pool threads, must see this thread's.)
+  thread_local std::vector<Activations> buffers;
+  std::vector<Activations>& quantized = buffers;
   std::vector<std::pair<int32_t, int>> layouts;
-  std::vector<Activations> quantized;
   std::vector<size_t> of_problem;
   const QuantizeFn quantize = pick_quantize(isa);
   for (Format f : fs) {
@@ -134,7 +142,8 @@ void int8_activations_matmul(xla::ffi::ThreadPool& pool, const std::vector<Probl
     of_problem.push_back(known);
     if (known < layouts.size()) continue;
     layouts.push_back(layout);
-    Activations& a = quantized.emplace_back();
+    if (quantized.size() < layouts.size()) quantized.emplace_back();
+    Activations& a = quantized[known];
     a.blocks_per_step = layout.second;
     a.steps = (first.blocks + a.blocks_per_step - 1) / a.blocks_per_step;
     const size_t lanes = static_cast<size_t>(first.tokens * a.steps * kLanes);
@@ -143,7 +152,12 @@ void int8_activations_matmul(xla::ffi::ThreadPool& pool, const std::vector<Probl
     a.d.assign(lanes, 0.0f);
     a.groups = (first.blocks + 15) / 16;
     a.block_sums.assign(static_cast<size_t>(first.tokens * a.groups * kLanes), 0.0f);
-    for (int64_t t = 0; t < first.tokens; ++t) quantize(first, t, layout.first, a);
+    auto quantize_token = [&](int64_t t) { quantize(first, t, layout.first, a); };
+    if (first.tokens >= kTokensQuantizedInParallel) {
+      orca_native::parallel_for(pool, first.tokens, quantize_token);
+    } else {
+      for (int64_t t = 0; t < first.tokens; ++t) quantize_token(t);
+    }
   }
   // (f32 rows have no int8 path: the handler refuses them before calling this.)
   std::vector<ItemFn> runs;

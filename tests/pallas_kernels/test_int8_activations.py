@@ -152,3 +152,19 @@ def test_bad_activation_settings_are_refused_with_the_fix():
         qm.quantized_matmul(x, "f32", np.zeros((4, 64), np.float32), activations="int8")
     with pytest.raises(ValueError, match="activations must be one of float32, int8, got 'int4'"):
         qm.quantized_matmul(x, "q4_0", np.zeros((4, 36), np.uint8), activations="int4")
+
+
+def test_a_full_step_of_the_default_token_budget_runs_the_kernel():
+    """The native kernel's row cap with int8 activations covers a whole step of the default token
+    budget, so every row of a 512-token prompt chunk gets the decode step's arithmetic (the reference's,
+    bit for bit), not XLA's rounding: a request's tokens do not depend on what shares its step."""
+    require_native()
+    from orca_jax.config import SchedulerConfig
+
+    rows = SchedulerConfig().max_num_batched_tokens
+    rng = np.random.default_rng(5)
+    weights, _ = quantized("q5_0", rng.standard_normal((40, 576)).astype(np.float32))
+    x = rng.standard_normal((rows, 576)).astype(np.float32)
+    out = jax.jit(lambda x, w: qm.quantized_matmul(x, "q5_0", w, None, activations="int8",
+                                                   native_max_tokens=qm.INT8_NATIVE_MAX_TOKENS))(x, weights)
+    np.testing.assert_array_equal(np.asarray(out), matmul_reference(x, "q5_0", weights, None))
