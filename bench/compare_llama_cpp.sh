@@ -8,6 +8,7 @@
 #      each, alternated (ours, theirs, ours, ...): a slow spell of the machine meets both sides;
 #   2. the throughput workload (64 requests, prompts 100-300, outputs 8-256, all at once) at equal
 #      concurrency: `-np N -cb` against `--max-num-seqs N` (SERVING=0 skips it).
+# WITH_F32=0 skips the float32 pair (its figures do not depend on the GGUF file's block types).
 # One thread per core for llama-server, as orca_jax uses. Prints the CPU model, the file's block types
 # and the variant the native kernels run ($ORCA_JAX_NATIVE_ISA=avx2 forces the AVX2 one for orca_jax).
 #
@@ -27,6 +28,7 @@ set -euo pipefail
 N=${1:-16}
 FILE=${2:-}
 SERVING=${SERVING:-1}
+WITH_F32=${WITH_F32:-1}
 PY=.venv/bin/python
 BENCH=(.venv/bin/orca-jax bench serving --rates inf --max-concurrency "$N" --workload throughput --num-requests 64)
 readarray -t BUILT < <(bench/llama_cpp.sh)
@@ -52,7 +54,8 @@ $PY -m orca_jax.native
 
 # Each file's llama-server is up while our runs on the same weights alternate with its own; it idles
 # (no CPU) while our serving runs go.
-for weights in "$LABEL" f32; do
+PAIRS=("$LABEL"); [ "$WITH_F32" != 0 ] && PAIRS+=(f32)
+for weights in "${PAIRS[@]}"; do
     gguf=$GGUF quantization=gguf ours=orca_jax_gguf
     [ "$weights" = f32 ] && gguf=$F32 quantization=none ours=orca_jax
     "$LLAMA_SERVER" -m "$gguf" -np "$N" -cb -c $((N * 1024)) -t "$(nproc)" --port 8089 >/dev/null 2>&1 &
@@ -68,7 +71,7 @@ for weights in "$LABEL" f32; do
     kill "$server"; wait "$server" 2>/dev/null || true
 done
 
-N="$N" LABEL="$LABEL" GGUF="$GGUF" SERVING="$SERVING" PYTHONPATH=$PWD $PY - <<'PY'
+N="$N" LABEL="$LABEL" GGUF="$GGUF" SERVING="$SERVING" WITH_F32="$WITH_F32" PYTHONPATH=$PWD $PY - <<'PY'
 import json
 import os
 import sys
@@ -78,20 +81,22 @@ import machine
 R = Path("bench/results")
 label = os.environ["LABEL"]
 # The two single-stream runs (each alternated with its llama-server) as one record.
+pairs = (("gguf", label), ("none", "f32")) if os.environ["WITH_F32"] != "0" else (("gguf", label),)
 single = json.loads((R / "vs_llama_cpp_single_stream_gguf_new.json").read_text())
-single["quantization"].update(json.loads((R / "vs_llama_cpp_single_stream_none_new.json").read_text())["quantization"])
-llama_single = {llama: [run["llama_server_tok_s"] for run in single["quantization"][orca]["runs"]]
-                for orca, llama in (("gguf", label), ("none", "f32"))}
+if len(pairs) == 2:
+    single["quantization"].update(json.loads((R / "vs_llama_cpp_single_stream_none_new.json").read_text())["quantization"])
+llama_single = {llama: [run["llama_server_tok_s"] for run in single["quantization"][orca]["runs"]] for orca, llama in pairs}
 print(f"\none request, decode tok/s (best of 3, alternated), native kernels: {single['native_isa']}")
-for orca, llama in (("gguf", label), ("none", "f32")):
+for orca, llama in pairs:
     mine, theirs = single["quantization"][orca]["best_tok_s"], max(llama_single[llama])
     print(f"  orca_jax {orca:4s} {mine:6.1f}   llama-server {llama.upper():6s} {theirs:6.1f}   {mine / theirs:.2f}x")
 combined = {"bench": "vs_llama_cpp", "machine": machine.describe(), "concurrency": int(os.environ["N"]),
             "gguf_file": os.environ["GGUF"], "forced_native_isa": os.environ.get("ORCA_JAX_NATIVE_ISA"), "single_stream": single, "llama_server_single_stream_tok_s": llama_single}
 if os.environ["SERVING"] != "0":
     rows = {}
-    names = (("orca_jax", "orca_jax f32"), ("orca_jax_gguf", f"orca_jax {label.upper()}"),
-             (label, f"llama-server {label.upper()}"), ("f32", "llama-server F32"))
+    names = (("orca_jax_gguf", f"orca_jax {label.upper()}"), (label, f"llama-server {label.upper()}"))
+    if len(pairs) == 2:
+        names += (("orca_jax", "orca_jax f32"), ("f32", "llama-server F32"))
     for name, title in names:
         for runs in json.loads((R / f"vs_llama_cpp_{name}_new.json").read_text())["policies"].values():
             rows[title] = runs["rates"][0]
@@ -100,9 +105,10 @@ if os.environ["SERVING"] != "0":
     for name, r in rows.items():
         print(f"{name:24s} {r['ok']:>3d}/{r['requests']:<2d} {r['output_throughput']:7.1f} {r['ttft_s_p50']:8.2f}s "
               f"{1000 * r['itl_s_p50']:6.0f}ms  {r['output_throughput'] / theirs:.2f}x")
-    combined["serving"] = {"orca_jax_f32": rows["orca_jax f32"], f"orca_jax_{label}": rows[f"orca_jax {label.upper()}"],
-                           f"llama_server_{label}": rows[f"llama-server {label.upper()}"],
-                           "llama_server_f32": rows["llama-server F32"]}
+    combined["serving"] = {f"orca_jax_{label}": rows[f"orca_jax {label.upper()}"],
+                           f"llama_server_{label}": rows[f"llama-server {label.upper()}"]}
+    if len(pairs) == 2:
+        combined["serving"].update(orca_jax_f32=rows["orca_jax f32"], llama_server_f32=rows["llama-server F32"])
 (R / "vs_llama_cpp_new.json").write_text(json.dumps(combined, indent=1) + "\n")
 print(f"\nsaved {R / 'vs_llama_cpp_new.json'}")
 PY
