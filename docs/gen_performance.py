@@ -50,24 +50,24 @@ def weights_label(d: dict) -> str:
 def vs_llama_cpp(d: dict) -> list[str]:
     single, llama, n = d["single_stream"], d["llama_server_single_stream_tok_s"], d["concurrency"]
     label = weights_label(d)
-    gguf, f32 = single["quantization"]["gguf"], single["quantization"]["none"]
+    # A run with WITH_F32=0 (a second file, a forced variant) has no float32 pair.
+    f32 = single["quantization"].get("none")
+    gguf = single["quantization"]["gguf"]
     q_ours, q_theirs = gguf["best_tok_s"], max(llama[label])
-    f32_ours, f32_theirs = f32["best_tok_s"], max(llama["f32"])
-    rows = [
-        [f"one request, {label.upper()} (`--quantization gguf`), decode tok/s", f"{q_ours:.1f}", f"{q_theirs:.1f}",
-         x(q_ours / q_theirs)],
-        ["one request, float32 / F32, decode tok/s",
-         f"{f32_ours:.1f} ({f32['fraction_of_limit']:.0%} of its memory-speed limit)", f"{f32_theirs:.1f}",
-         x(f32_ours / f32_theirs)],
-    ]
+    rows = [[f"one request, {label.upper()} (`--quantization gguf`), decode tok/s", f"{q_ours:.1f}", f"{q_theirs:.1f}",
+             x(q_ours / q_theirs)]]
+    if f32:
+        f32_ours, f32_theirs = f32["best_tok_s"], max(llama["f32"])
+        rows.append(["one request, float32 / F32, decode tok/s",
+                     f"{f32_ours:.1f} ({f32['fraction_of_limit']:.0%} of its memory-speed limit)", f"{f32_theirs:.1f}",
+                     x(f32_ours / f32_theirs)])
     if "serving" in d:  # compare_llama_cpp.sh with SERVING=0 runs one request only
         many = {k: v["output_throughput"] for k, v in d["serving"].items()}
-        rows += [
-            [f"64 requests at {n} in flight, {label.upper()}, generated tok/s", f"{many[f'orca_jax_{label}']:.1f}",
-             f"{many[f'llama_server_{label}']:.1f}", x(many[f"orca_jax_{label}"] / many[f"llama_server_{label}"])],
-            [f"64 requests at {n} in flight, float32 / F32, generated tok/s", f"{many['orca_jax_f32']:.1f}",
-             f"{many['llama_server_f32']:.1f}", x(many["orca_jax_f32"] / many["llama_server_f32"])],
-        ]
+        rows.append([f"64 requests at {n} in flight, {label.upper()}, generated tok/s", f"{many[f'orca_jax_{label}']:.1f}",
+                     f"{many[f'llama_server_{label}']:.1f}", x(many[f"orca_jax_{label}"] / many[f"llama_server_{label}"])])
+        if "orca_jax_f32" in many:
+            rows.append([f"64 requests at {n} in flight, float32 / F32, generated tok/s", f"{many['orca_jax_f32']:.1f}",
+                         f"{many['llama_server_f32']:.1f}", x(many["orca_jax_f32"] / many["llama_server_f32"])])
     return table(["", "orca_jax", "llama-server", "orca_jax / llama-server"], rows)
 
 
