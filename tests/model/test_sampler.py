@@ -193,3 +193,25 @@ def test_first_argmax_is_jnps_argmax_on_ties_nans_and_infinities():
     assert list(got[:7]) == [3, 0, 5, 6, 2, 0, 49]
     batched = np.asarray(first_argmax(jnp.asarray(rows.reshape(3, 3, 50))))  # any leading axes
     np.testing.assert_array_equal(batched.reshape(-1), got)
+
+
+def test_logprobs_are_the_raw_log_softmax_bit_for_bit_whatever_the_rows_processing():
+    """The sampled token's logprob and the top logprobs are entries of log_softmax of the raw logits
+    (the sampler computes only its normalizer), for greedy and drawn rows, with and without a stage
+    that changes the logits (a penalty here, which moves every row off the raw logits' best)."""
+    vocab = 64
+    logits = jnp.asarray(np.random.default_rng(3).standard_normal((4, vocab)).astype(np.float32))
+    counts = np.zeros((4, vocab), np.int32)
+    counts[np.arange(4), np.asarray(logits).argmax(-1)] = 1
+    wide = dict(token_bitmask=np.full((4, vocab // 32), -1, np.int32), output_counts=np.zeros((4, vocab), np.int32),
+                seen_tokens=np.zeros((4, vocab), bool), need_logprobs=np.bool_(True))
+    raw = np.asarray(jax.jit(jax.nn.log_softmax)(logits))
+    for extra in (dict(), dict(temperature=np.float32([0, 0.8, 0, 0.8])),
+                  dict(output_counts=counts, seen_tokens=counts > 0, presence_penalty=np.full(4, 50, np.float32),
+                       use_penalties=np.bool_(True))):
+        out = jax.jit(sample)(logits, metadata(4, **{**wide, **extra}))
+        tokens = np.asarray(out.tokens)
+        np.testing.assert_array_equal(np.asarray(out.logprob), raw[np.arange(4), tokens])
+        np.testing.assert_array_equal(np.asarray(out.top_ids), np.argsort(-raw, axis=-1, kind="stable")[:, :20])
+        np.testing.assert_array_equal(np.asarray(out.top_logprobs), -np.sort(-raw, axis=-1)[:, :20])
+    assert (tokens != np.asarray(logits).argmax(-1)).all()
