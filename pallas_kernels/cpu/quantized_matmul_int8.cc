@@ -127,8 +127,8 @@ void int8_activations_matmul(xla::ffi::ThreadPool& pool, const std::vector<Probl
   const Problem& first = problems[0];  // every problem has the same x
   // x quantized once per distinct offset and step (the matrices of one layer share them, mostly): a
   // few KB per token, on the calling thread, or shared out over the pool for a prompt chunk's many
-  // tokens (on one thread, 512 tokens' cost a tenth of the matmul; a decode step's few are not worth
-  // waking a pool thread for). The buffers are the calling thread's own and keep their capacity from
+  // tokens (on one thread, quantizing 512 tokens took about a tenth of the call; a decode step's few
+  // are not worth waking a pool thread for). The buffers are the calling thread's own and keep their capacity from
   // call to call: allocated anew, a prompt chunk's were fresh pages from the kernel on every call.
   // (Named through a reference: the lambdas below, run on pool threads, must see this thread's.)
   thread_local std::vector<Activations> buffers;
