@@ -81,9 +81,10 @@ import machine
 R = Path("bench/results")
 label = os.environ["LABEL"]
 # The two single-stream runs (each alternated with its llama-server) as one record.
-pairs = (("gguf", label), ("none", "f32")) if os.environ["WITH_F32"] != "0" else (("gguf", label),)
+with_f32 = os.environ["WITH_F32"] != "0"
+pairs = (("gguf", label), ("none", "f32")) if with_f32 else (("gguf", label),)
 single = json.loads((R / "vs_llama_cpp_single_stream_gguf_new.json").read_text())
-if len(pairs) == 2:
+if with_f32:
     single["quantization"].update(json.loads((R / "vs_llama_cpp_single_stream_none_new.json").read_text())["quantization"])
 llama_single = {llama: [run["llama_server_tok_s"] for run in single["quantization"][orca]["runs"]] for orca, llama in pairs}
 print(f"\none request, decode tok/s (best of 3, alternated), native kernels: {single['native_isa']}")
@@ -95,7 +96,7 @@ combined = {"bench": "vs_llama_cpp", "machine": machine.describe(), "concurrency
 if os.environ["SERVING"] != "0":
     rows = {}
     names = (("orca_jax_gguf", f"orca_jax {label.upper()}"), (label, f"llama-server {label.upper()}"))
-    if len(pairs) == 2:
+    if with_f32:
         names += (("orca_jax", "orca_jax f32"), ("f32", "llama-server F32"))
     for name, title in names:
         for runs in json.loads((R / f"vs_llama_cpp_{name}_new.json").read_text())["policies"].values():
@@ -107,7 +108,7 @@ if os.environ["SERVING"] != "0":
               f"{1000 * r['itl_s_p50']:6.0f}ms  {r['output_throughput'] / theirs:.2f}x")
     combined["serving"] = {f"orca_jax_{label}": rows[f"orca_jax {label.upper()}"],
                            f"llama_server_{label}": rows[f"llama-server {label.upper()}"]}
-    if len(pairs) == 2:
+    if with_f32:
         combined["serving"].update(orca_jax_f32=rows["orca_jax f32"], llama_server_f32=rows["llama-server F32"])
 (R / "vs_llama_cpp_new.json").write_text(json.dumps(combined, indent=1) + "\n")
 print(f"\nsaved {R / 'vs_llama_cpp_new.json'}")
