@@ -32,8 +32,7 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages
 import machine  # noqa: E402 (bench/, the script's own folder)
 from orca_jax import LLM, SamplingParams  # noqa: E402
-from orca_jax.config import DEFAULT_MODEL, QUANTIZATION_CHOICES  # noqa: E402
-from orca_jax.runner.step_inputs import layers_inputs  # noqa: E402
+from orca_jax.config import DEFAULT_MODEL, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle. " * 5
 NUMBERED = re.compile(r"[.]\d+$")  # an op's number: fusions of one kind summed together
@@ -77,8 +76,10 @@ def main() -> None:
     parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="gguf")
     parser.add_argument("--seqs", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto", help="KV pages' dtype (as the server's flag)")
     args = parser.parse_args()
-    llm = LLM(args.model, max_num_seqs=max(32, args.seqs), quantization=args.quantization, show_progress=False)
+    llm = LLM(args.model, max_num_seqs=max(32, args.seqs), quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype, show_progress=False)
     runner = llm.runner
     plan = recorded_plan(llm, args.seqs)
     stage = runner.stages[0]
@@ -88,7 +89,7 @@ def main() -> None:
     def step():
         """The step as the runner runs it; returns (pack s, layers call s, head call s, whole s)."""
         start = time.perf_counter()
-        inputs = layers_inputs(plan)
+        inputs = runner.layers_inputs(plan)
         packed = time.perf_counter()
         x, stage.kv_caches, stage.token_pages = layers(stage.param_leaves, stage.kv_caches, stage.token_pages, None,
                                                        inputs, stage.fed_tokens)

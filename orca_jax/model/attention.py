@@ -22,7 +22,7 @@ from jaxtyping import Array, Float, Int
 from orca_jax.model.layers import Dense, RMSNorm, dense_all
 from orca_jax.model.linear import LinearPlan, all_float
 from orca_jax.model.paged_attention import MASK_VALUE, paged_attention
-from orca_jax.model.rotary import RopeScaling, apply_rope
+from orca_jax.model.rotary import Rotary, Rotations, rotate, rotation_tables
 
 KVCache = tuple[jax.Array, jax.Array]  # one layer's (k_pages, v_pages), each [P, page, K, Dh]
 # (q [T,H,Dh], k [T,K,Dh], v [T,K,Dh], kv, meta, *, sm_scale) -> (out [T,H,Dh], kv): see paged_attention.
@@ -47,6 +47,8 @@ class AttentionMetadata:
     # Tokens before the bucket's padding (a step's tokens come first): the native matmuls skip the
     # rows after it. None: every row is real.
     num_tokens: Int[Array, ""] | None = None
+    # cos and sin of the tokens' rotary angles, computed on the host (rotary.py). None: from `positions`.
+    rotations: Rotations | None = None
 
 
 def attend(
@@ -85,8 +87,7 @@ class Attention(nnx.Module):
         head_dim: int,
         *,
         use_bias: bool,
-        rope_theta: float | None,
-        rope_scaling: RopeScaling | None = None,
+        rotary: Rotary | None,
         qkv_bias: bool = False,
         qk_norm_eps: float | None = None,
         sliding_window: int | None = None,
@@ -112,8 +113,7 @@ class Attention(nnx.Module):
                        use_bias=use_bias, dtype=dtype, rngs=rngs, method=linear("o"))
         self.q_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps, dtype)
         self.k_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps, dtype)
-        self.rope_theta = rope_theta  # None: positions come from a learned embedding instead
-        self.rope_scaling = rope_scaling
+        self.rotary = rotary  # None: positions come from a learned embedding instead
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
         # Passed only when set, so an implementation without them still serves models that need neither.
         self.options = {name: value for name, value in (("sliding_window", sliding_window), ("soft_cap", soft_cap))
@@ -127,9 +127,9 @@ class Attention(nnx.Module):
         q, k, v = dense_all([self.q, self.k, self.v], x, rows)  # [T, H, Dh], [T, K, Dh], [T, K, Dh]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope_theta is not None:
-            q = apply_rope(q, meta.positions, self.rope_theta, self.rope_scaling)
-            k = apply_rope(k, meta.positions, self.rope_theta, self.rope_scaling)
+        if self.rotary is not None:
+            cos, sin = rotation_tables(self.rotary, meta.positions, meta.rotations)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if kv is None:
             return self.o(attend(q, k, v, meta, self.sm_scale, **self.options), rows), None
         out, kv = attention(q, k, v, kv, meta, sm_scale=self.sm_scale, **self.options)

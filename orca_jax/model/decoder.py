@@ -10,7 +10,7 @@ from jaxtyping import Array, Float, Int
 from orca_jax.config import ModelConfig
 from orca_jax.model.attention import Attention, AttentionMetadata, KVCache, PagedAttention
 from orca_jax.model.paged_attention import paged_attention
-from orca_jax.model.rotary import rope_scaling_of
+from orca_jax.model.rotary import layer_rotary
 from orca_jax.model.layers import Embed, GeluMLP, LayerNorm, RMSNorm, SwiGLU
 from orca_jax.model.linear import LinearPlan, all_float, within
 
@@ -25,17 +25,11 @@ class DecoderLayer(nnx.Module):
         """`linear`: the method of each of the layer's matrices, by path ("attn.q", "mlp.down")."""
         llama = config.architecture == "llama"
         norm = RMSNorm if llama else LayerNorm
-        window = config.layer_window(index)
-        # Gemma 3's sliding layers rotate with their own base and no scaling; every other layer with
-        # the model's.
-        local_rope = window is not None and config.rope_local_theta is not None
-        rope_theta = config.rope_local_theta if local_rope else config.rope_theta
         self.attn_norm = norm(config.d_model, config.norm_eps, dtype)
         self.attn = Attention(
             config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
-            use_bias=not llama, rope_theta=rope_theta if llama else None,
-            rope_scaling=None if local_rope else rope_scaling_of(config), qkv_bias=config.qkv_bias,
-            qk_norm_eps=config.norm_eps if config.qk_norm else None, sliding_window=window,
+            use_bias=not llama, rotary=layer_rotary(config, index), qkv_bias=config.qkv_bias,
+            qk_norm_eps=config.norm_eps if config.qk_norm else None, sliding_window=config.layer_window(index),
             soft_cap=config.attn_logit_softcap,
             sm_scale=None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5,
             dtype=dtype, rngs=rngs, linear=within(linear, "attn"),

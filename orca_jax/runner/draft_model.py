@@ -54,7 +54,7 @@ from orca_jax.parallel.layout import check_parallel, kv_heads_for_tp
 from orca_jax.parallel.tensor_parallel import replicate_kv_heads, sharded_paged_attention
 from orca_jax.runner.programs import Programs
 from orca_jax.runner.stage import Stage
-from orca_jax.runner.step_inputs import HeadInputs, StepInputs
+from orca_jax.runner.step_inputs import HeadInputs, LayersInputs
 from orca_jax.runner.speculation import (DRAFT_SALT, DraftModelProposer, SpeculationMetadata, SpeculativeOutput,
                                          draft_scaled_logits, salted_keys)
 
@@ -244,14 +244,14 @@ class DraftModelRunner:
 
 def build_drafter(proposer: DraftModelProposer, last: Stage, kv_layout: KVLayout, buckets: Buckets, vocab_size: int,
                   attention_impl: str, kv_dtype, tensor_parallel_size: int, programs: Programs,
-                  head_inputs: HeadInputs) -> DraftModelRunner:
+                  layers_inputs: LayersInputs, head_inputs: HeadInputs) -> DraftModelRunner:
     """The draft model wired to the target runner: on its last stage's devices, its programs
     compiled through the target's (`programs`: the same executable store and matmul precision) for
     the target's padding steps (`vocab_size`: the target's)."""
 
     def example_inputs(kind: str, size: int):
         if kind == "layers":
-            return (StepInputs.of(padding_plan(size, buckets.row_buckets[0], kv_layout, vocab_size)),)
+            return (layers_inputs(padding_plan(size, buckets.row_buckets[0], kv_layout, vocab_size)).unpack(),)
         plan = padding_plan(buckets.tokens[0], size, kv_layout, vocab_size)
         metadata = head_inputs.sampling(plan, last.replicated), head_inputs.speculation(plan)
         return tuple(packed.unpack() for packed in jax.device_put(metadata, last.replicated))

@@ -44,7 +44,7 @@ from orca_jax.runner.draft_model import build_drafter
 from orca_jax.runner.programs import Programs
 from orca_jax.runner.speculation import DraftModelProposer, NgramProposer, SpeculativeOutput
 from orca_jax.runner.stage import Stage, StageRecipe, build_stage, result_shapes
-from orca_jax.runner.step_inputs import HeadInputs, layers_inputs
+from orca_jax.runner.step_inputs import HeadInputs, LayersInputs
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +142,9 @@ class ModelRunner:
         self.stages = [build_stage(recipe, i, ranges[i], meshes[i]) for i in range(len(ranges))]
         self.multi_process = not all(stage.local for stage in self.stages)
         self.feeds_sampled_tokens = len(self.stages) == 1  # the one stage samples and embeds (fed_tokens)
-        self.head_inputs = HeadInputs(config.vocab_size)
+        self.layers_inputs, self.head_inputs = LayersInputs(config), HeadInputs(config.vocab_size)
         self.programs = Programs(self.stages, config, buckets, self.kv_layout,
-                                 executable_store or ExecutableStore.default(), self.head_inputs,
+                                 executable_store or ExecutableStore.default(), self.layers_inputs, self.head_inputs,
                                  attention_impl=self.attention_impl, matmul_impl=self.matmul_impl,
                                  matmul_precision=self.matmul_precision, proposer=proposer)
         if isinstance(proposer, DraftModelProposer):
@@ -153,7 +153,7 @@ class ModelRunner:
                                   "'ngram' across processes, or run every pipeline stage in one process")
             self.programs.drafter = build_drafter(
                 proposer, self.stages[-1], self.kv_layout, buckets, config.vocab_size, self.attention_impl,
-                self.kv_dtype, parallel.tensor_parallel_size, self.programs, self.head_inputs)
+                self.kv_dtype, parallel.tensor_parallel_size, self.programs, self.layers_inputs, self.head_inputs)
         if self.stages[0].mesh.devices.flat[0].process_index != 0:
             raise ConfigError("the leader (process 0) must hold the first pipeline stage: give every process the "
                               "same number of devices")
@@ -323,7 +323,7 @@ class ModelRunner:
         the first stage): returns the activations for the next stage, or the sampled tokens. The
         packed host arrays go into the compiled calls as they are (step_inputs.py)."""
         num_tokens, num_rows = plan.bucket
-        inputs = layers_inputs(plan)
+        inputs = self.layers_inputs(plan)
         x, stage.kv_caches, stage.token_pages = self.programs.get(stage, "layers", num_tokens)(
             stage.param_leaves, stage.kv_caches, stage.token_pages, x, inputs, stage.fed_tokens)
         if stage.last:

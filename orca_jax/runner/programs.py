@@ -27,7 +27,7 @@ from orca_jax.config import ModelConfig
 from orca_jax.engine.step_plan import Buckets, KVLayout, StepPlan, padding_plan
 from orca_jax.runner.compile_cache import ExecutableStore
 from orca_jax.runner.stage import Stage, result_shapes
-from orca_jax.runner.step_inputs import HeadInputs, layers_inputs
+from orca_jax.runner.step_inputs import HeadInputs, LayersInputs
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +47,11 @@ class Programs:
     `compile_draft`, and counted with the target's."""
 
     def __init__(self, stages: list[Stage], config: ModelConfig, buckets: Buckets, kv_layout: KVLayout,
-                 executable_store: ExecutableStore, head_inputs: HeadInputs, *, attention_impl: str,
+                 executable_store: ExecutableStore, layers_inputs: LayersInputs, head_inputs: HeadInputs, *,
+                 attention_impl: str,
                  matmul_impl: str, matmul_precision: str, proposer: Any):
         self.stages, self.config, self.buckets, self.kv_layout = stages, config, buckets, kv_layout
-        self.executable_store, self.head_inputs = executable_store, head_inputs
+        self.executable_store, self.layers_inputs, self.head_inputs = executable_store, layers_inputs, head_inputs
         self.attention_impl, self.matmul_impl, self.matmul_precision = attention_impl, matmul_impl, matmul_precision
         self.proposer = proposer
         self.drafter: Any = None  # DraftModelRunner | None
@@ -77,7 +78,7 @@ class Programs:
         if name == "layers":
             placed = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=stage.replicated)  # noqa: E731
             plan = padding_plan(size, self.buckets.row_buckets[0], self.kv_layout, self.config.vocab_size)
-            inputs = jax.tree.map(lambda a: placed(a.shape, a.dtype), layers_inputs(plan))
+            inputs = jax.tree.map(lambda a: placed(a.shape, a.dtype), self.layers_inputs(plan))
             x = None if stage.first else placed((size, self.config.d_model), jnp.dtype(self.config.dtype))
             args = (stage.param_leaves, stage.kv_caches, stage.token_pages, x, inputs, stage.fed_tokens)
             program = stage.layers_program

@@ -14,8 +14,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jaxtyping import Array, Int
 
+from orca_jax.config import ModelConfig
 from orca_jax.engine.step_plan import StepPlan
 from orca_jax.model.attention import AttentionMetadata
+from orca_jax.model.rotary import HostRotations
 from orca_jax.model.sampler import SamplingMetadata
 from orca_jax.runner.packing import Packed, pack
 
@@ -33,19 +35,27 @@ class StepInputs:
     logits_index: Int[Array, " R_max"]
 
     @classmethod
-    def of(cls, plan: StepPlan) -> "StepInputs":
+    def of(cls, plan: StepPlan, rotations: HostRotations | None = None) -> "StepInputs":
+        """`rotations`: the model's, to ship the step's rotary cos and sin (else the program computes them)."""
         attention = AttentionMetadata(positions=plan.positions, segment_ids=plan.segment_ids,
                                       slot_mapping=plan.slot_mapping, block_tables=plan.block_tables,
                                       kv_lens=plan.kv_lens,
                                       # Static batches' finished members are computed, as FasterTransformer's.
-                                      num_tokens=np.int32(plan.num_real_tokens + plan.num_padding_seqs))
+                                      num_tokens=np.int32(plan.num_real_tokens + plan.num_padding_seqs),
+                                      rotations=None if rotations is None else rotations(plan.positions))
         return cls(token_ids=plan.token_ids, token_source=plan.token_source, attention=attention,
                    logits_index=plan.logits_index)
 
 
-def layers_inputs(plan: StepPlan) -> Packed:
-    """The plan's token arrays, packed for a stage's layers program."""
-    return pack(StepInputs.of(plan))
+class LayersInputs:
+    """A plan's token arrays, packed for a stage's layers program, with the step's rotary cos and
+    sin for the model's rotary kinds (rotary.py)."""
+
+    def __init__(self, config: ModelConfig):
+        self.rotations = HostRotations(config)
+
+    def __call__(self, plan: StepPlan) -> Packed:
+        return pack(StepInputs.of(plan, self.rotations))
 
 
 class HeadInputs:
