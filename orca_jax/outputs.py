@@ -17,7 +17,7 @@ class CompletionOutput:
     index: int  # which of the n samples
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None = None
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs; None unless logprobs asked
     logprobs: list[dict[int, Logprob]] | None = None  # per generated token: top-N plus the sampled one
     finish_reason: str | None = None  # "stop", "length", "abort"; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string, if one ended it

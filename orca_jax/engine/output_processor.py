@@ -24,7 +24,7 @@ class Sample:
 
     request: Request
     detokenizer: IncrementalDetokenizer | None
-    logprobs: list[dict[int, Logprob]] | None
+    logprobs: list[dict[int, Logprob]] | None  # None: not asked for (then no cumulative logprob either)
     cumulative_logprob: float = 0.0
     released: bool = False
 
@@ -78,8 +78,8 @@ class OutputProcessor:
         token = request.output_token_ids[-1]
         if request.grammar is not None:
             request.grammar.accept(token)
-        sample.cumulative_logprob += sampled.logprob
-        if sample.logprobs is not None:
+        if sample.logprobs is not None:  # (a step computes logprobs only when one of its requests asked)
+            sample.cumulative_logprob += sampled.logprob
             ids, values = sampled.top
             entry = {i: Logprob(v, rank + 1, self._token_text(i)) for rank, (i, v) in enumerate(zip(ids, values))}
             if sampled.token not in entry:
@@ -128,7 +128,7 @@ class OutputProcessor:
                 index=i,
                 text=sample.detokenizer.text if sample.detokenizer is not None else "",
                 token_ids=list(r.output_token_ids),
-                cumulative_logprob=sample.cumulative_logprob,
+                cumulative_logprob=None if sample.logprobs is None else sample.cumulative_logprob,
                 logprobs=None if sample.logprobs is None else list(sample.logprobs),
                 finish_reason=r.status.value if r.finished else None,
                 stop_reason=r.stop_reason,

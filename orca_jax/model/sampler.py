@@ -31,6 +31,7 @@ jax.tree_util.register_dataclass(SamplingMetadata)
 @dataclasses.dataclass(frozen=True)
 class SamplerOutput:
     tokens: Int[Array, " S"]
+    # Of the raw distribution, in steps where a request asked for logprobs (zeros in the others):
     logprob: Float[Array, " S"]  # of the sampled token
     top_ids: Int[Array, "S N"]  # N = MAX_LOGPROBS, best first
     top_logprobs: Float[Array, "S N"]
@@ -117,12 +118,6 @@ def draw_keys(seeds: UInt32[Array, " S"], token_index: Int[Array, " S"]) -> jax.
 
 
 def sample(logits: Float[Array, "S V"], m: SamplingMetadata) -> SamplerOutput:
-    # The raw distribution's normalizer, as log_softmax computes it (so the logprobs below equal its
-    # elements bit for bit), without writing the [S, V] log_softmax out: most steps want only the
-    # sampled tokens' logprobs.
-    peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    log_normalizer = jnp.log(jnp.sum(jnp.exp(logits - peak), axis=-1, keepdims=True))
-
     def choose(logits):
         greedy_tokens = first_argmax(logits)
 
@@ -142,18 +137,25 @@ def sample(logits: Float[Array, "S V"], m: SamplingMetadata) -> SamplerOutput:
     # rows of SmolLM2's vocabulary went 1.15 -> 0.79 ms on an AMD Zen 4.
     processing = m.use_logit_bias | m.use_penalties | m.use_bitmask | m.suppress_stop.any()
     tokens = jax.lax.cond(processing, lambda x: choose(processed_logits(x, m)), choose, logits)
-    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
-    logprob = (picked - peak[:, 0]) - log_normalizer[:, 0]
 
-    def top(logits):
+    def logprobs(logits, tokens):
+        # The raw distribution's normalizer, as log_softmax computes it (so these logprobs equal its
+        # elements bit for bit), without writing the [S, V] log_softmax out.
+        peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+        log_normalizer = jnp.log(jnp.sum(jnp.exp(logits - peak), axis=-1, keepdims=True))
+        picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
         k = min(MAX_LOGPROBS, logits.shape[-1])  # a vocabulary smaller than the maximum N
         values, ids = jax.lax.top_k((logits - peak) - log_normalizer, k)
         pad = ((0, 0), (0, MAX_LOGPROBS - k))
-        return jnp.pad(ids.astype(jnp.int32), pad), jnp.pad(values, pad, constant_values=NEG_INF)
+        return ((picked - peak[:, 0]) - log_normalizer[:, 0], jnp.pad(ids.astype(jnp.int32), pad),
+                jnp.pad(values, pad, constant_values=NEG_INF))
 
-    def no_top(logits):
-        shape = (logits.shape[0], MAX_LOGPROBS)
-        return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, logits.dtype)
+    def no_logprobs(logits, tokens):
+        rows = logits.shape[0]
+        return (jnp.zeros(rows, logits.dtype), jnp.zeros((rows, MAX_LOGPROBS), jnp.int32),
+                jnp.zeros((rows, MAX_LOGPROBS), logits.dtype))
 
-    top_ids, top_logprobs = jax.lax.cond(m.need_logprobs, top, no_top, logits)
+    # Only a step with a request that asked for logprobs computes them: the normalizer's exp over the
+    # vocabulary took 0.7 ms of a 16-sequence decode step (SmolLM2, AMD EPYC Zen 4).
+    logprob, top_ids, top_logprobs = jax.lax.cond(m.need_logprobs, logprobs, no_logprobs, logits, tokens)
     return SamplerOutput(tokens=tokens, logprob=logprob, top_ids=top_ids, top_logprobs=top_logprobs)

@@ -1,6 +1,7 @@
 """The engine on the trained tiny model: right answers in a crowd, sampling features, zero
 recompiles (batch invariance: test_batched_equals_solo.py)."""
 
+import dataclasses
 import random
 
 import numpy as np
@@ -132,6 +133,10 @@ def test_logprobs_n_and_seeds(tiny_runner, tiny_trained):
             sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs)), abs=1e-4)
     # Greedy picks the rank-1 token, whose logprob is near 0 for this confident model.
     assert greedy_out.outputs[0].token_ids == counting_sequence(10, 3)[4:7]
+    # A request that did not ask gets no logprobs, even in steps that computed them for the others (vLLM's way).
+    assert greedy_out.outputs[0].logprobs is None and greedy_out.outputs[0].cumulative_logprob is None
+    asked = run_all(engine, [(prompt, dataclasses.replace(greedy(3), logprobs=0))])[0].outputs[0]
+    assert asked.token_ids == greedy_out.outputs[0].token_ids and -1.0 < asked.cumulative_logprob < 0
 
 
 def test_penalties_and_filters_change_sampling(tiny_runner, tiny_trained):

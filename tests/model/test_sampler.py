@@ -215,3 +215,11 @@ def test_logprobs_are_the_raw_log_softmax_bit_for_bit_whatever_the_rows_processi
         np.testing.assert_array_equal(np.asarray(out.top_ids), np.argsort(-raw, axis=-1, kind="stable")[:, :20])
         np.testing.assert_array_equal(np.asarray(out.top_logprobs), -np.sort(-raw, axis=-1)[:, :20])
     assert (tokens != np.asarray(logits).argmax(-1)).all()
+
+
+def test_a_step_where_no_request_asked_computes_no_logprobs():
+    """The normalizer's exp over the vocabulary runs only in steps where some request asked for logprobs."""
+    quiet, asked = (jax.jit(sample)(LOGITS, metadata(1, need_logprobs=np.bool_(flag))) for flag in (False, True))
+    assert int(quiet.tokens[0]) == int(asked.tokens[0]) == 2
+    assert float(quiet.logprob[0]) == 0 and not np.asarray(quiet.top_logprobs).any()
+    assert float(asked.logprob[0]) == float(jax.nn.log_softmax(LOGITS)[0, 2]) < 0
