@@ -3,9 +3,10 @@ attention, KV writes, XLA's fusions), from XLA:CPU's per-thunk trace, and the ho
 the step's arrays, the two program calls' dispatch), for `--seqs` sequences decoding together.
 
     python bench/profile_decode_step.py [--model smollm2-135m-instruct] [--quantization gguf] [--seqs 1]
-                                        [--steps 20]
+                                        [--steps 20] [--kv-cache-dtype auto] [--prefill]
 
-It records one real decode step's plan from a generation, replays it `--steps` times under
+It records one real decode step's plan from a generation (`--prefill`: its first step, the prompts'
+first chunk), replays it `--steps` times under
 jax.profiler (perfetto trace in a temporary folder), names each thunk by the compiled program's HLO
 (custom-call targets; a matmul call by the row counts of its matrices: "576+192+192" is one call of
 q, k and v) and prints ms per step per part, then times the host side of the same step. Timings on a
@@ -53,13 +54,14 @@ def part_names(hlo: str) -> dict[str, str]:
     return parts
 
 
-def recorded_plan(llm: LLM, seqs: int):
-    """The plan of one decode step of `seqs` sequences, from a real generation."""
+def recorded_plan(llm: LLM, seqs: int, prefill: bool = False):
+    """The plan of one decode step of `seqs` sequences (`prefill`: the generation's first step, its
+    prompts' first chunk), from a real generation."""
     runner, plans = llm.runner, []
     dispatch = runner.run_plan
 
     def record(plan):
-        if plan.bucket[1] == seqs and len(plan.token_ids) == seqs and not plans:
+        if not plans and (prefill or (plan.bucket[1] == seqs and len(plan.token_ids) == seqs)):
             plans.append(plan)
         return dispatch(plan)
 
@@ -76,12 +78,14 @@ def main() -> None:
     parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="gguf")
     parser.add_argument("--seqs", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--prefill", action="store_true",
+                        help="profile the first step instead: the prompts' prefill (up to the token budget)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto", help="KV pages' dtype (as the server's flag)")
     args = parser.parse_args()
     llm = LLM(args.model, max_num_seqs=max(32, args.seqs), quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype, show_progress=False)
     runner = llm.runner
-    plan = recorded_plan(llm, args.seqs)
+    plan = recorded_plan(llm, args.seqs, args.prefill)
     stage = runner.stages[0]
     layers = runner.programs.get(stage, "layers", plan.bucket[0])
     head = runner.programs.get(stage, "head", plan.bucket[1])
