@@ -48,8 +48,7 @@ class Programs:
 
     def __init__(self, stages: list[Stage], config: ModelConfig, buckets: Buckets, kv_layout: KVLayout,
                  executable_store: ExecutableStore, layers_inputs: LayersInputs, head_inputs: HeadInputs, *,
-                 attention_impl: str,
-                 matmul_impl: str, matmul_precision: str, proposer: Any):
+                 attention_impl: str, matmul_impl: str, matmul_precision: str, proposer: Any):
         self.stages, self.config, self.buckets, self.kv_layout = stages, config, buckets, kv_layout
         self.executable_store, self.layers_inputs, self.head_inputs = executable_store, layers_inputs, head_inputs
         self.attention_impl, self.matmul_impl, self.matmul_precision = attention_impl, matmul_impl, matmul_precision

@@ -69,6 +69,7 @@ def test_a_steps_padding_rows_are_not_computed(native_and_xla):
     plan = padding_plan(4, 4, runner.kv_layout, runner.config.vocab_size)
     plan.token_ids[0], plan.segment_ids[0], plan.kv_lens[0], plan.slot_mapping[0] = 5, 0, 1, 0
     plan.num_real_tokens, plan.sampling.num_real_rows = 1, np.int32(1)
+    plan.sampling.need_logprobs = np.bool_(True)  # as a request asking for logprobs: the step computes them
     logprob = jax.device_get(runner.run_plan(plan)).logprob
     uniform = -np.log(runner.config.vocab_size)
     np.testing.assert_allclose(logprob[1:], uniform, rtol=1e-6)
