@@ -80,7 +80,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prefill", action="store_true",
                         help="profile the first step instead: the prompts' prefill (up to the token budget)")
-    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto", help="KV pages' dtype (as the server's flag)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
+                        help="KV pages' dtype (as the server's flag)")
     args = parser.parse_args()
     llm = LLM(args.model, max_num_seqs=max(32, args.seqs), quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype, show_progress=False)

@@ -99,7 +99,8 @@ def rejection_sample(logits: Float[Array, "R V"], sampled: SamplerOutput, sampli
                      m: SpeculationMetadata, draft_probs: Float[Array, "R V"]) -> SamplerOutput:
     """Each row that checks a draft-model draft at temperature > 0 gets the draft when u * q(d) <
     p(d), else a draw from norm(max(0, p - q)); other rows keep the sampler's token. Logprobs are
-    those of the raw model distribution at the row's new token, as the sampler reports them."""
+    those of the raw model distribution at the row's new token, as the sampler reports them (in steps
+    where a request asked for them)."""
     rows = jnp.arange(logits.shape[0])
     checks = (m.row_draft >= 0) & (sampling.temperature > 0)
     draft = jnp.maximum(m.row_draft, 0)
@@ -114,7 +115,11 @@ def rejection_sample(logits: Float[Array, "R V"], sampled: SamplerOutput, sampli
         salted_keys(sampling.seeds, sampling.token_index, RESIDUAL_SALT))
     recovered = first_argmax(jnp.log(residual) + gumbel)  # Gumbel-max: a draw from norm(residual)
     tokens = jnp.where(checks, jnp.where(accept, draft, recovered), sampled.tokens).astype(jnp.int32)
-    logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    # As the sampler: only a step where a request asked for logprobs computes them (else its zeros stay).
+    logprob = jax.lax.cond(
+        sampling.need_logprobs,
+        lambda: jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0],
+        lambda: sampled.logprob)
     return dataclasses.replace(sampled, tokens=tokens, logprob=logprob)
 
 

@@ -19,7 +19,7 @@ Q = np.asarray([0.05, 0.4, 0.05, 0.1, 0.3, 0.05, 0.05, 0.0], np.float32)  # far 
 
 
 def speculation(drafts):
-    rows = np.arange(N, dtype=np.int32)
+    rows = np.arange(len(drafts), dtype=np.int32)
     return SpeculationMetadata(
         row_draft=jnp.asarray(drafts), row_first=jnp.asarray(rows), row_seq=jnp.asarray(rows),
         seq_first_row=jnp.zeros(1, jnp.int32), seq_history_len=jnp.zeros(1, jnp.int32),
@@ -67,3 +67,18 @@ def test_draws_are_keyed_by_seed_and_token_index_not_the_row():
     tokens, _, _ = run(1.0, 0)
     reversed_rows, _, _ = run(1.0, 0, order=slice(None, None, -1))
     assert np.array_equal(reversed_rows, tokens[::-1])
+
+
+def test_logprobs_follow_the_emitted_token_only_when_asked():
+    """A row's logprob is the raw distribution's at the token it emits; in a step where no request
+    asked for logprobs none is computed (zeros, as the sampler leaves them)."""
+    rows = 64
+    drafts = np.arange(rows, dtype=np.int32) % V
+    logits = jnp.broadcast_to(jnp.asarray(LOGITS), (rows, V))
+    q = jnp.broadcast_to(jnp.asarray(Q), (rows, V))
+    spec = speculation(drafts)
+    for asked in (False, True):
+        m = metadata(rows, temperature=np.ones(rows, np.float32), need_logprobs=np.bool_(asked))
+        out = rejection_sample(logits, sample(logits, m), m, spec, q)
+        expected = np.asarray(jax.nn.log_softmax(jnp.asarray(LOGITS)))[np.asarray(out.tokens)] if asked else 0
+        np.testing.assert_allclose(np.asarray(out.logprob), expected, rtol=1e-6)
