@@ -58,7 +58,8 @@ SOURCE = SOURCE_DIR / "ragged_paged_attention.cc"
 SOURCES = (SOURCE, SOURCE_DIR / "quantized_matmul.cc", SOURCE_DIR / "quantized_matmul_int8.cc")
 HEADERS = (SOURCE_DIR / "parallel_for.h", SOURCE_DIR / "per_isa.h", SOURCE_DIR / "vec16.h", SOURCE_DIR / "quantized_matmul.h",
            SOURCE_DIR / "ragged_paged_attention_kernel.inc", SOURCE_DIR / "quantized_matmul_kernel.inc",
-           SOURCE_DIR / "quantized_matmul_kquants.inc", SOURCE_DIR / "quantized_matmul_int8_kernel.inc")
+           SOURCE_DIR / "quantized_matmul_kquants.inc", SOURCE_DIR / "quantized_matmul_int8_kernel.inc",
+           SOURCE_DIR / "k_quant_headers.inc")
 TARGET = "orca_ragged_paged_attention"
 SYMBOL = "OrcaRaggedPagedAttention"
 WRITE_TARGET, WRITE_SYMBOL = "orca_write_kv", "OrcaWriteKV"

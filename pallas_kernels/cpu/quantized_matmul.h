@@ -1,6 +1,7 @@
 // What the two quantized matmul kernels share (quantized_matmul.cc: activations in float32;
 // quantized_matmul_int8.cc: activations quantized to int8): the weight formats, the problem, and the
-// exact f16 and K-quant header decoding. pallas_kernels/quantized_matmul.py has the contract.
+// exact f16 decoding (the K-quant headers' decoding is in k_quant_headers.inc, compiled per variant).
+// pallas_kernels/quantized_matmul.py has the contract.
 #pragma once
 
 #include <algorithm>
@@ -99,67 +100,6 @@ struct Problem {
   float* out;           // [T, out]
   int64_t tokens, in, out_features, row_bytes, blocks;  // blocks: of 32 weights (8 per K-quant super-block)
 };
-
-// The two floats of each of a K-quant super-block's 8 sub-blocks, in order (a0, b0, a1, b1, ...),
-// into out[16], as the reference rounds them:
-//   Q4_K, Q5_K  a = d * sc, b = -(dmin * m)   (w = a * q + b)
-//   Q6_K        a = d * scale[2j], b = d * scale[2j + 1]   (the scales of weights 0-15 and 16-31)
-// Q4_K/Q5_K's 12 bytes of scales and mins are unpacked by 32-bit masks into 16 bytes, scales 0-7 then
-// mins 0-7: scales and mins 0-3 are the low 6 bits of bytes 0-3 and 4-7; 4-7 take their low 4 bits
-// from bytes 8-11 (scale low nibble, minimum high) and their top 2 from the top bits of bytes 0-3 (scales)
-// and 4-7 (mins). Each product is exact (an 11-bit f16 times an integer of at most 8 bits), and so
-// is the negation: the same floats as the reference's in any order of evaluation. `half` converts an
-// f16 (each variant its fastest exact way).
-// Q4_K/Q5_K's 12 bytes of six-bit scales and mins at sb + 4, as 16 bytes: scales 0-7, then mins 0-7.
-__attribute__((always_inline)) inline vb k_six_bits(const uint8_t* sb) {
-  uint32_t u[4];
-  std::memcpy(u, sb + 4, 12);
-  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
-  u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4);  // mins 4-7
-  const uint32_t mins = u[1] & low6;                              // mins 0-3
-  u[1] = (u[2] & low4) | (((u[0] >> 6) & top2) << 4);             // scales 4-7
-  u[2] = mins;
-  u[0] &= low6;                                                   // scales 0-3
-  vb six;
-  std::memcpy(&six, u, kLanes);
-  return six;
-}
-
-// Q4_K/Q5_K's 16 sub-block floats: a_j = d * sc_j in lanes 0-7, dmin * m_j in lanes 8-15 (not negated).
-template <typename Half>
-__attribute__((always_inline)) inline vf k_products(const uint8_t* sb, Half half) {
-  const float d = half(sb), dmin = half(sb + 2);
-  const vf scale = {d, d, d, d, d, d, d, d, dmin, dmin, dmin, dmin, dmin, dmin, dmin, dmin};
-  return __builtin_convertvector(__builtin_convertvector(k_six_bits(sb), vi), vf) * scale;
-}
-
-template <Format F, typename Half>
-__attribute__((always_inline)) inline void k_header(const uint8_t* sb, float* out, Half half) {
-  vf v;
-  if constexpr (F == Format::kQ6_K) {  // a_j, b_j = d * scale[2j], d * scale[2j + 1]: already in order
-    vsb scales;
-    std::memcpy(&scales, sb + 192, kLanes);
-    v = __builtin_convertvector(__builtin_convertvector(scales, vi), vf) * half(sb + 208);
-  } else {
-    const vf products = k_products(sb, half);
-    // Interleaved as a_j, b_j with b = -(dmin * m): by lanes, as __builtin_shufflevector needs GCC 12
-    // and this runs once per super-block.
-    for (int j = 0; j < 8; ++j) {
-      v[2 * j] = products[j];
-      v[2 * j + 1] = -products[8 + j];
-    }
-  }
-  std::memcpy(out, &v, sizeof v);
-}
-
-// Q4_K/Q5_K's floats apart (the int8-activation kernel's layout): scales[j] = a_j = d * sc_j,
-// mins[j] = b_j = -(dmin * m_j), for the 8 sub-blocks; the same floats as k_header's.
-template <typename Half>
-__attribute__((always_inline)) inline void k_scales_mins(const uint8_t* sb, float* scales, float* mins, Half half) {
-  const vf products = k_products(sb, half), negated = -products;
-  std::memcpy(scales, &products, 8 * sizeof(float));
-  std::memcpy(mins, reinterpret_cast<const float*>(&negated) + 8, 8 * sizeof(float));
-}
 
 }  // namespace orca_qmm
 
