@@ -46,10 +46,6 @@ struct Activations {
 // Calls of at least this many tokens quantize x over the pool's threads.
 constexpr int64_t kTokensQuantizedInParallel = 64;
 
-int32_t q_offset(Format f) {
-  return f == Format::kQ4_0 ? 8 : f == Format::kQ5_0 ? 16 : f == Format::kQ6_K ? 32 : 0;
-}
-
 }  // namespace
 
 // The kernel, once per instruction set, numbered as pallas_kernels/native.py's ISAS.
@@ -98,6 +94,20 @@ namespace {
 using ItemFn = void (*)(const Problem&, const Activations&, int64_t, int64_t);
 using QuantizeFn = void (*)(const Problem&, int64_t, int32_t, Activations&);
 
+// The offset of format f's weight integers in variant isa (the kernel's weight_offset).
+int32_t q_offset(Format f, int isa) {
+#if defined(__x86_64__)
+  switch (isa) {
+    case 0: return avx512vnni::weight_offset(f);
+    case 1: return avx512::weight_offset(f);
+    case 2: return avxvnni::weight_offset(f);
+    case 3: return avx2::weight_offset(f);
+    default: break;
+  }
+#endif
+  return base::weight_offset(f);
+}
+
 QuantizeFn pick_quantize(int isa) {
 #if defined(__x86_64__)
   if (isa <= 1) return avx512::quantize_row;
@@ -137,7 +147,7 @@ void int8_activations_matmul(xla::ffi::ThreadPool& pool, const std::vector<Probl
   std::vector<size_t> of_problem;
   const QuantizeFn quantize = pick_quantize(isa);
   for (Format f : fs) {
-    const std::pair<int32_t, int> layout{q_offset(f), step_blocks(f)};
+    const std::pair<int32_t, int> layout{q_offset(f, isa), step_blocks(f)};
     const size_t known = std::find(layouts.begin(), layouts.end(), layout) - layouts.begin();
     of_problem.push_back(known);
     if (known < layouts.size()) continue;
