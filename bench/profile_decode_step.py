@@ -96,7 +96,7 @@ def main() -> None:
         start = time.perf_counter()
         inputs = runner.layers_inputs(plan)
         packed = time.perf_counter()
-        x, stage.kv_caches, stage.token_pages = layers(stage.param_leaves, stage.kv_caches, stage.token_pages, None,
+        x, stage.kv_cache, stage.token_pages = layers(stage.param_leaves, stage.kv_cache, stage.token_pages, None,
                                                        inputs, stage.fed_tokens)
         called = time.perf_counter()
         sampling, speculation = runner.head_inputs.sampling(plan, stage.replicated), runner.head_inputs.speculation(plan)
@@ -134,7 +134,7 @@ def main() -> None:
     timings = list(zip(*(step() for _ in range(100))))
     pack, layers_call, head_call, whole = (1000 * statistics.median(t) for t in timings)
     print(f"  host: packing {pack:.3f} ms, layers call returns after {layers_call:.3f} ms "
-          f"({len(stage.param_leaves) + len(jax.tree.leaves(stage.kv_caches))} parameter and KV arrays), "
+          f"({len(stage.param_leaves) + len(jax.tree.leaves(stage.kv_cache))} parameter and KV arrays), "
           f"head call {head_call:.3f} ms; the step, dispatched and waited for: {whole:.3f} ms")
 
 

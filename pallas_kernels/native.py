@@ -235,7 +235,7 @@ def _require_loaded() -> None:
                                 "first, which builds and loads it")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "pages"))
 def ragged_paged_attention_native(
     q: jax.Array,
     k_pages: jax.Array,
@@ -248,9 +248,13 @@ def ragged_paged_attention_native(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    pages: tuple[int, int] | None = None,
 ) -> jax.Array:
-    """See the module docstring. Raises NativeUnavailable when the library is not loaded."""
+    """See the module docstring. `pages` (first, count): the pages of k_pages and v_pages this
+    call reads, to which block_tables' page numbers are relative (a layer's share of arrays that
+    hold every layer's); None: all of them. Raises NativeUnavailable when the library is not loaded."""
     check_inputs(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens)
+    first_page, layer_pages = _page_range(pages, k_pages)
     check_options(sliding_window, soft_cap)
     for name, array in (("q", q), ("k_pages", k_pages)):
         if array.dtype not in SUPPORTED_DTYPES:
@@ -262,17 +266,29 @@ def ragged_paged_attention_native(
     int32 = lambda array: array.astype(jnp.int32)
     out = call(q.astype(jnp.float32), k_pages, v_pages, int32(segment_ids), int32(positions), int32(block_tables),
                int32(kv_lens), sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
-               soft_cap=np.float32(soft_cap or 0.0))
+               soft_cap=np.float32(soft_cap or 0.0), first_page=np.int64(first_page),
+               layer_pages=np.int64(layer_pages))
     return out.astype(q.dtype)
 
 
+def _page_range(pages: tuple[int, int] | None, k_pages: jax.Array) -> tuple[int, int]:
+    """(first page, page count) of a call's pages, checked against the page arrays."""
+    first, count = (0, k_pages.shape[0]) if pages is None else pages
+    if first < 0 or count < 0 or first + count > k_pages.shape[0]:
+        raise ValueError(f"pages {first}..{first + count} lie outside the {k_pages.shape[0]} pages of k_pages")
+    return first, count
+
+
 def write_kv_native(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
-                    slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+                    slot_mapping: jax.Array, pages: tuple[int, int] | None = None) -> tuple[jax.Array, jax.Array]:
     """Writes k, v [T, K, Dh] into the pages' slots (page * page_size + offset) in place (the results
-    alias the page arguments; donate them). Slots outside the cache are skipped. For bfloat16 pages:
-    XLA:CPU's own scatter converts the whole page array to write a few rows."""
+    alias the page arguments; donate them). `pages` (first, count): the pages the slots count from
+    and lie in (None: all). Slots outside them are skipped. For bfloat16 pages: XLA:CPU's own scatter
+    converts the whole page array to write a few rows."""
+    first_page, layer_pages = _page_range(pages, k_pages)
     _require_loaded()
     call = jax.ffi.ffi_call(WRITE_TARGET, (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                                            jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
                             input_output_aliases={0: 0, 1: 1})
-    return call(k_pages, v_pages, k.astype(jnp.float32), v.astype(jnp.float32), slot_mapping.astype(jnp.int32))
+    return call(k_pages, v_pages, k.astype(jnp.float32), v.astype(jnp.float32), slot_mapping.astype(jnp.int32),
+                first_page=np.int64(first_page), layer_pages=np.int64(layer_pages))

@@ -24,9 +24,46 @@ from orca_jax.model.linear import LinearPlan, all_float
 from orca_jax.model.paged_attention import MASK_VALUE, paged_attention
 from orca_jax.model.rotary import Rotary, Rotations, rotate, rotation_tables
 
-KVCache = tuple[jax.Array, jax.Array]  # one layer's (k_pages, v_pages), each [P, page, K, Dh]
-# (q [T,H,Dh], k [T,K,Dh], v [T,K,Dh], kv, meta, *, sm_scale) -> (out [T,H,Dh], kv): see paged_attention.
-PagedAttention = Callable[..., tuple[jax.Array, KVCache]]
+# The (k_pages, v_pages) a layer's attention writes and reads, each [P, page, K, Dh] (with a KVCache:
+# every layer's pages, of which its attention function is given its own range).
+LayerKV = tuple[jax.Array, jax.Array]
+# (q [T,H,Dh], k [T,K,Dh], v [T,K,Dh], kv, meta, *, sm_scale, pages) -> (out [T,H,Dh], kv): see paged_attention.
+PagedAttention = Callable[..., tuple[jax.Array, LayerKV]]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """The paged KV cache of a run of layers in two arrays, k and v, each [L * P, page, K, Dh]:
+    layer i's P pages (the engine's pages and the scratch page) are pages [i * P, (i + 1) * P).
+    Two arrays, not two per layer: a compiled step takes the cache and gives it back (donated), and
+    each array it gives back costs host time to make (60 of them, SmolLM2's 30 layers, took about
+    0.13 ms of a step's dispatch on an idle AMD EPYC Zen 4, several times that while the kernels ran).
+    A layer's attention is given its range (`pages`), so it reads and writes its own pages in place."""
+
+    k: jax.Array
+    v: jax.Array
+    pages_per_layer: int = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def zeros(cls, num_layers: int, layer_shape: tuple[int, int, int, int], dtype, sharding=None) -> "KVCache":
+        """A cache of `num_layers` layers of `layer_shape` [P, page, K, Dh] each, zeros."""
+        shape = (num_layers * layer_shape[0],) + tuple(layer_shape[1:])
+        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+        return cls(zeros(), zeros(), layer_shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0] // self.pages_per_layer
+
+    def pages(self, layer: int) -> tuple[int, int]:
+        """Layer `layer`'s (first page, page count)."""
+        return layer * self.pages_per_layer, self.pages_per_layer
+
+    def layer(self, layer: int) -> LayerKV:
+        """Layer `layer`'s (k_pages, v_pages), [P, page, K, Dh] each (a copy: for reading)."""
+        first, count = self.pages(layer)
+        return self.k[first:first + count], self.v[first:first + count]
 
 
 @jax.tree_util.register_dataclass
@@ -120,9 +157,9 @@ class Attention(nnx.Module):
                         if value is not None}
 
     def __call__(
-        self, x: Float[Array, "T D"], meta: AttentionMetadata, kv: KVCache | None = None,
+        self, x: Float[Array, "T D"], meta: AttentionMetadata, kv: LayerKV | None = None,
         attention: PagedAttention = paged_attention,
-    ) -> tuple[Float[Array, "T D"], KVCache | None]:
+    ) -> tuple[Float[Array, "T D"], LayerKV | None]:
         rows = meta.num_tokens
         q, k, v = dense_all([self.q, self.k, self.v], x, rows)  # [T, H, Dh], [T, K, Dh], [T, K, Dh]
         if self.q_norm is not None:

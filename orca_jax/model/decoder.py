@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from orca_jax.config import ModelConfig
-from orca_jax.model.attention import Attention, AttentionMetadata, KVCache, PagedAttention
+from orca_jax.model.attention import Attention, AttentionMetadata, KVCache, LayerKV, PagedAttention
 from orca_jax.model.paged_attention import paged_attention
 from orca_jax.model.rotary import layer_rotary
 from orca_jax.model.layers import Embed, GeluMLP, LayerNorm, RMSNorm, SwiGLU
@@ -43,9 +46,9 @@ class DecoderLayer(nnx.Module):
         self.post_mlp_norm = RMSNorm(config.d_model, config.norm_eps, dtype) if config.post_norms else None
 
     def __call__(
-        self, x: Float[Array, "T D"], meta: AttentionMetadata, kv: KVCache | None = None,
+        self, x: Float[Array, "T D"], meta: AttentionMetadata, kv: LayerKV | None = None,
         attention: PagedAttention = paged_attention,
-    ) -> tuple[Float[Array, "T D"], KVCache | None]:
+    ) -> tuple[Float[Array, "T D"], LayerKV | None]:
         attn_out, kv = self.attn(self.attn_norm(x), meta, kv, attention)
         if self.post_attn_norm is not None:
             attn_out = self.post_attn_norm(attn_out)
@@ -101,17 +104,17 @@ class Decoder(nnx.Module):
         self,
         token_ids: Int[Array, " T"],
         meta: AttentionMetadata,
-        kv_caches: list[KVCache] | None,
+        kv_cache: KVCache | None,
         logits_index: Int[Array, " S"] | None = None,
         attention: PagedAttention = paged_attention,
-    ) -> tuple[Float[Array, "T V"] | Float[Array, "S V"], list[KVCache] | None]:
-        """The whole model in one call: with `kv_caches` (one (k_pages, v_pages) per layer) the new
-        tokens' K/V are written and attention reads the cache; returns the updated caches. The
+    ) -> tuple[Float[Array, "T V"] | Float[Array, "S V"], KVCache | None]:
+        """The whole model in one call: with `kv_cache` (every layer's pages) the new tokens' K/V
+        are written and attention reads the cache; returns the updated cache. The
         engine runs the same computation as `DecoderStage`s (one, or one per pipeline stage)."""
         x = embed_tokens(self.embed, self.pos_embed, token_ids, meta.positions, self.config)
-        x, kv_caches = run_layers(self.layers, x, meta, kv_caches, attention)
+        x, kv_cache = run_layers(self.layers, x, meta, kv_cache, attention)
         head = self.embed if self.lm_head is None else self.lm_head
-        return project_logits(self.final_norm, head, x, logits_index, self.config.final_logit_softcap), kv_caches
+        return project_logits(self.final_norm, head, x, logits_index, self.config.final_logit_softcap), kv_cache
 
 
 class DecoderStage(nnx.Module):
@@ -136,16 +139,16 @@ class DecoderStage(nnx.Module):
         self,
         inputs: Int[Array, " T"] | Float[Array, "T D"],
         meta: AttentionMetadata,
-        kv_caches: list[KVCache],
+        kv_cache: KVCache,
         logits_index: Int[Array, " S"],
         attention: PagedAttention,
-    ) -> tuple[Float[Array, "T D"] | Float[Array, "S V"], list[KVCache]]:
+    ) -> tuple[Float[Array, "T D"] | Float[Array, "S V"], KVCache]:
         """`inputs`: token ids for the first stage, the previous stage's activations otherwise.
         Returns activations [T, D] for the next stage, or, from the last stage, the activations of
         the tokens named by `logits_index` [S, D], for `logits`."""
         x = embed_tokens(self.embed, self.pos_embed, inputs, meta.positions, self.config) if self.first else inputs
-        x, kv_caches = run_layers(self.layers, x, meta, kv_caches, attention)
-        return (x[logits_index] if self.last else x), kv_caches
+        x, kv_cache = run_layers(self.layers, x, meta, kv_cache, attention)
+        return (x[logits_index] if self.last else x), kv_cache
 
     def logits(self, x: Float[Array, "S D"], num_rows: Int[Array, ""] | None = None) -> Float[Array, "S V"]:
         """The last stage's final norm and LM head, apart from the layers: `LMHead`'s logits."""
@@ -177,13 +180,19 @@ def embed_tokens(embed: Embed, pos_embed: Embed | None, token_ids: Int[Array, " 
     return x if pos_embed is None else x + pos_embed(positions)
 
 
-def run_layers(layers, x: Float[Array, "T D"], meta: AttentionMetadata, kv_caches: list[KVCache] | None,
-               attention: PagedAttention) -> tuple[Float[Array, "T D"], list[KVCache] | None]:
-    new_caches = []
+def run_layers(layers, x: Float[Array, "T D"], meta: AttentionMetadata, kv_cache: KVCache | None,
+               attention: PagedAttention) -> tuple[Float[Array, "T D"], KVCache | None]:
+    """The layers in order; with a cache, each layer's attention writes and reads its own pages of it."""
+    if kv_cache is None:
+        for layer in layers:
+            x, _ = layer(x, meta, None, attention)
+        return x, None
+    if kv_cache.num_layers != len(layers):
+        raise ValueError(f"a KV cache of {kv_cache.num_layers} layers given to {len(layers)} layers")
+    pages = (kv_cache.k, kv_cache.v)
     for i, layer in enumerate(layers):
-        x, kv = layer(x, meta, None if kv_caches is None else kv_caches[i], attention)
-        new_caches.append(kv)
-    return x, (None if kv_caches is None else new_caches)
+        x, pages = layer(x, meta, pages, functools.partial(attention, pages=kv_cache.pages(i)))
+    return x, dataclasses.replace(kv_cache, k=pages[0], v=pages[1])
 
 
 def project_logits(final_norm, head: Embed, x: Float[Array, "T D"], logits_index: Int[Array, " S"] | None,

@@ -159,23 +159,28 @@ def _pallas(interpret: bool):
 
 
 def _native(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens, *, sm_scale,
-            sliding_window=None, soft_cap=None):
+            sliding_window=None, soft_cap=None, pages=None):
     from pallas_kernels.native import ragged_paged_attention_native
 
     return ragged_paged_attention_native(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens,
-                                         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                                         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                         pages=pages)
 
 
-def _native_write_kv(k_pages, v_pages, k, v, slot_mapping):
+def _native_write_kv(k_pages, v_pages, k, v, slot_mapping, pages=None):
     from pallas_kernels.native import write_kv_native
 
-    return write_kv_native(k_pages, v_pages, k, v, slot_mapping)
+    return write_kv_native(k_pages, v_pages, k, v, slot_mapping, pages)
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
     attend: Callable  # the kernel contract above
     write_kv: Callable = write_kv  # (k_pages, v_pages, k, v, slot_mapping) -> (k_pages, v_pages)
+    # Both take `pages=(first, count)`, a layer's pages in arrays holding every layer's (the page
+    # numbers and slots given count from `first`): the native kernels offset their pointers by it. The
+    # others are given page numbers and slots shifted by `first` instead (paged_attention).
+    takes_pages: bool = False
 
 
 # By attention_impl, as backends.resolve_attention_impl resolves it: "pallas" compiles the kernel
@@ -186,20 +191,27 @@ ATTENTION_BACKENDS = {
     "xla": AttentionBackend(ragged_paged_attention_xla),
     "pallas": AttentionBackend(_pallas(interpret=False)),
     "pallas-interpret": AttentionBackend(_pallas(interpret=True)),
-    "native": AttentionBackend(_native, _native_write_kv),
+    "native": AttentionBackend(_native, _native_write_kv, takes_pages=True),
 }
 
 
 def paged_attention(q: Float[Array, "T H Dh"], k: Float[Array, "T K Dh"], v: Float[Array, "T K Dh"],
                     kv: tuple[KVPages, KVPages], meta, *, sm_scale: float, sliding_window: int | None = None,
-                    soft_cap: float | None = None, impl: str = "xla"):
+                    soft_cap: float | None = None, impl: str = "xla", pages: tuple[int, int] | None = None):
     """One layer's cache step: writes this call's K/V into the pages, then attends over them, both
     as the backend `impl` (a key of ATTENTION_BACKENDS) does them (`sliding_window`, `soft_cap`: the
     contract's optional terms, see pallas_kernels.ragged_paged_attention.check_options). Returns (out [T, H, Dh], (k_pages, v_pages)).
-    `meta` is the layer's AttentionMetadata. Under tensor parallelism this whole function runs per
-    shard of heads."""
+    `meta` is the layer's AttentionMetadata. `pages` (first, count): the layer's pages when `kv`
+    holds every layer's (attention.KVCache); meta's page numbers and slots count from `first`.
+    Under tensor parallelism this whole function runs per shard of heads."""
     backend = ATTENTION_BACKENDS[impl]
-    k_pages, v_pages = backend.write_kv(*kv, k, v, meta.slot_mapping)
-    out = backend.attend(q, k_pages, v_pages, meta.segment_ids, meta.positions, meta.block_tables,
-                         meta.kv_lens, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    slot_mapping, block_tables, options = meta.slot_mapping, meta.block_tables, {}
+    if pages is not None and backend.takes_pages:
+        options = {"pages": pages}
+    elif pages is not None and pages[0]:
+        slot_mapping = slot_mapping + pages[0] * kv[0].shape[1]
+        block_tables = block_tables + pages[0]
+    k_pages, v_pages = backend.write_kv(*kv, k, v, slot_mapping, **options)
+    out = backend.attend(q, k_pages, v_pages, meta.segment_ids, meta.positions, block_tables,
+                         meta.kv_lens, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **options)
     return out, (k_pages, v_pages)

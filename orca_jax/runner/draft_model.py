@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding
 
 from orca_jax.config import ConfigError, ParallelConfig
 from orca_jax.engine.step_plan import Buckets, KVLayout, StepPlan, padding_plan
-from orca_jax.model.attention import AttentionMetadata
+from orca_jax.model.attention import AttentionMetadata, KVCache
 from orca_jax.model.decoder import DecoderStage
 from orca_jax.model.sampler import SamplingMetadata, first_argmax
 from orca_jax.parallel import kv_cache_sharding, param_shardings
@@ -89,18 +89,17 @@ class DraftModelRunner:
         if num_kv_heads != config.n_kv_heads:
             state = replicate_kv_heads(state, num_kv_heads)
         self.params = jax.device_put(state, param_shardings(state, mesh))
-        kv_shape = (kv_layout.num_pages + 1, kv_layout.page_size, num_kv_heads, config.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(kv_shape, kv_dtype), out_shardings=kv_cache_sharding(mesh))
-        self.kv_caches = [(zeros(), zeros()) for _ in range(config.n_layers)]
+        kv_shape = (kv_layout.num_pages + 1, kv_layout.page_size, num_kv_heads, config.head_dim)  # a layer's
+        self.kv_cache = KVCache.zeros(config.n_layers, kv_shape, kv_dtype, kv_cache_sharding(mesh))
         attention = sharded_paged_attention(attention_impl, mesh)
         self.executables: dict[tuple[str, Any], Any] = {}
         self._seq_rows: dict[int, jax.Array] = {}  # the propose programs' [S] sequence rows, per S
         self.warmed_up = False
         self.num_compilations_after_warmup = 0
 
-        def catch_up(params, kv_caches, inputs):
+        def catch_up(params, kv_cache, inputs):
             stage = nnx.merge(graphdef, params)
-            return stage(inputs.token_ids, inputs.attention, kv_caches, inputs.logits_index, attention)
+            return stage(inputs.token_ids, inputs.attention, kv_cache, inputs.logits_index, attention)
 
         def q(params, row_x, temperature, row_draft):
             num_rows = temperature.shape[0]
@@ -113,8 +112,8 @@ class DraftModelRunner:
             return jax.lax.cond(needed, probs, lambda _: jnp.zeros((num_rows, config.vocab_size), jnp.float32),
                                 row_x)
 
-        def propose(params, kv_caches, seqs, tokens, accepted, sampling: SamplingMetadata, m: SpeculationMetadata):
-            return self._propose(nnx.merge(graphdef, params), attention, kv_caches, seqs, tokens, accepted, sampling, m)
+        def propose(params, kv_cache, seqs, tokens, accepted, sampling: SamplingMetadata, m: SpeculationMetadata):
+            return self._propose(nnx.merge(graphdef, params), attention, kv_cache, seqs, tokens, accepted, sampling, m)
 
         kv_sharding = kv_cache_sharding(mesh)
         self.programs = {
@@ -150,7 +149,7 @@ class DraftModelRunner:
         if name == "catch_up":
             (inputs,) = self._example_inputs("layers", size)
             placed = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated)  # noqa: E731
-            args = (self.params, self.kv_caches, jax.tree.map(placed, inputs))
+            args = (self.params, self.kv_cache, jax.tree.map(placed, inputs))
         else:
             rows, seqs = size if name == "propose" else (size, None)
             sampling, speculation = self._example_inputs("head", rows)
@@ -160,7 +159,7 @@ class DraftModelRunner:
                 args = (self.params, row_x, sampling.temperature, speculation.row_draft)
             else:
                 row = lambda dtype: jax.ShapeDtypeStruct((rows,), dtype, sharding=self.replicated)  # noqa: E731
-                args = (self.params, self.kv_caches, self.seq_rows(seqs), row(jnp.int32), row(jnp.bool_), sampling,
+                args = (self.params, self.kv_cache, self.seq_rows(seqs), row(jnp.int32), row(jnp.bool_), sampling,
                         speculation)
         depends_on = repr((self.config, self.k, self.kv_layout))
         label = "x".join(map(str, size)) if name == "propose" else size
@@ -179,7 +178,7 @@ class DraftModelRunner:
     def catch_up(self, plan: StepPlan, inputs, sampling: SamplingMetadata, speculation: SpeculationMetadata):
         """Step 1 and 2: the draft's K/V of the step's tokens; returns q [R, V] for the head."""
         num_tokens, num_rows = plan.bucket
-        row_x, self.kv_caches = self._program("catch_up", num_tokens)(self.params, self.kv_caches, inputs)
+        row_x, self.kv_cache = self._program("catch_up", num_tokens)(self.params, self.kv_cache, inputs)
         return self._program("q", num_rows)(self.params, row_x, sampling.temperature, speculation.row_draft)
 
     def propose(self, plan: StepPlan, result: SpeculativeOutput, sampling: SamplingMetadata,
@@ -189,13 +188,13 @@ class DraftModelRunner:
             return result
         last_proposing = int(np.flatnonzero(plan.speculation.seq_proposes)[-1])
         num_seqs = next(s for s in self.buckets.seqs if s > last_proposing)  # sequence rows 0..S-1
-        drafts, num_drafts, self.kv_caches = self._program("propose", (plan.bucket[1], num_seqs))(
-            self.params, self.kv_caches, self.seq_rows(num_seqs), result.sampled.tokens, result.accepted, sampling,
+        drafts, num_drafts, self.kv_cache = self._program("propose", (plan.bucket[1], num_seqs))(
+            self.params, self.kv_cache, self.seq_rows(num_seqs), result.sampled.tokens, result.accepted, sampling,
             speculation)
         return SpeculativeOutput(sampled=result.sampled, accepted=result.accepted, drafts=drafts,
                                  num_drafts=num_drafts)
 
-    def _propose(self, stage: DecoderStage, attention, kv_caches, seqs, tokens, accepted, sampling: SamplingMetadata,
+    def _propose(self, stage: DecoderStage, attention, kv_cache, seqs, tokens, accepted, sampling: SamplingMetadata,
                  m: SpeculationMetadata):
         """`seqs` [S]: the sequence rows 0..S-1 (the step's sequences, padded to their bucket)."""
         kv, k = self.kv_layout, self.k
@@ -210,7 +209,7 @@ class DraftModelRunner:
         room = jnp.where(m.seq_proposes[:num_seqs], jnp.clip(m.seq_num_slots[:num_seqs] - start, 0, k), 0)
 
         def draft_step(j, carry):
-            kv_caches, token, drafts = carry
+            kv_cache, token, drafts = carry
             position = start + j
             writes = j < room
             page = jnp.clip(position // kv.page_size, 0, max_pages - 1)
@@ -219,7 +218,7 @@ class DraftModelRunner:
                 positions=position, segment_ids=jnp.where(writes, seqs, max_seqs),
                 slot_mapping=jnp.where(writes, slot, kv.scratch_slot), block_tables=m.block_tables,
                 kv_lens=jnp.zeros(max_seqs, jnp.int32).at[:num_seqs].set(jnp.where(writes, position + 1, 0)))
-            x, kv_caches = stage(token, meta, kv_caches, seqs, attention)
+            x, kv_cache = stage(token, meta, kv_cache, seqs, attention)
             logits = stage.logits(x)  # [S, V]
 
             def draw(logits):
@@ -230,15 +229,15 @@ class DraftModelRunner:
             greedy = first_argmax(logits)
             drawn = jax.lax.cond((temperature > 0).any(), draw, lambda _: greedy, logits)
             token = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
-            return kv_caches, token, drafts.at[:, j].set(token)
+            return kv_cache, token, drafts.at[:, j].set(token)
 
         x0 = tokens[new_row]
-        kv_caches, _, drafts = jax.lax.fori_loop(0, k, draft_step,
-                                                 (kv_caches, x0, jnp.full((num_seqs, k), -1, jnp.int32)))
+        kv_cache, _, drafts = jax.lax.fori_loop(0, k, draft_step,
+                                                 (kv_cache, x0, jnp.full((num_seqs, k), -1, jnp.int32)))
         drafts = jnp.where(jnp.arange(k)[None, :] < room[:, None], drafts, -1)
         all_drafts = jnp.full((max_seqs, k), -1, jnp.int32).at[:num_seqs].set(drafts)
         num_drafts = jnp.zeros(max_seqs, jnp.int32).at[:num_seqs].set(room)
-        return all_drafts, num_drafts, kv_caches
+        return all_drafts, num_drafts, kv_cache
 
 
 

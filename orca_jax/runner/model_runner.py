@@ -324,8 +324,8 @@ class ModelRunner:
         packed host arrays go into the compiled calls as they are (step_inputs.py)."""
         num_tokens, num_rows = plan.bucket
         inputs = self.layers_inputs(plan)
-        x, stage.kv_caches, stage.token_pages = self.programs.get(stage, "layers", num_tokens)(
-            stage.param_leaves, stage.kv_caches, stage.token_pages, x, inputs, stage.fed_tokens)
+        x, stage.kv_cache, stage.token_pages = self.programs.get(stage, "layers", num_tokens)(
+            stage.param_leaves, stage.kv_cache, stage.token_pages, x, inputs, stage.fed_tokens)
         if stage.last:
             sampling = self.head_inputs.sampling(plan, stage.replicated)
             speculation = self.head_inputs.speculation(plan)

@@ -79,9 +79,9 @@ class Programs:
             plan = padding_plan(size, self.buckets.row_buckets[0], self.kv_layout, self.config.vocab_size)
             inputs = jax.tree.map(lambda a: placed(a.shape, a.dtype), self.layers_inputs(plan))
             x = None if stage.first else placed((size, self.config.d_model), jnp.dtype(self.config.dtype))
-            args = (stage.param_leaves, stage.kv_caches, stage.token_pages, x, inputs, stage.fed_tokens)
+            args = (stage.param_leaves, stage.kv_cache, stage.token_pages, x, inputs, stage.fed_tokens)
             program = stage.layers_program
-            out_tree = jax.tree.structure((0, stage.kv_caches, stage.token_pages))
+            out_tree = jax.tree.structure((0, stage.kv_cache, stage.token_pages))
         else:
             plan = padding_plan(self.buckets.tokens[0], size, self.kv_layout, self.config.vocab_size)
             row_tokens = jax.ShapeDtypeStruct((self.kv_layout.max_logit_rows, self.config.d_model),

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from orca_jax.config import ConfigError
 from orca_jax.engine.step_plan import KVLayout
+from orca_jax.model.attention import KVCache
 from orca_jax.model.decoder import Decoder, DecoderStage, LMHead
 from orca_jax.model.linear import linear_methods
 from orca_jax.model.sampler import SamplerOutput, SamplingMetadata, sample
@@ -48,14 +49,14 @@ class Stage:
     # State's ~270 variables at every call (~1.5 ms of host time per step)
     param_leaves: list = dataclasses.field(default_factory=list)
     head_param_leaves: list = dataclasses.field(default_factory=list)  # the last stage's LMHead's, for its head program
-    kv_caches: list = dataclasses.field(default_factory=list)  # one (k_pages, v_pages) per layer
+    kv_cache: KVCache | None = None  # every layer's KV pages (two arrays)
     # A speculating runner's last stage: the token id of every KV slot [P + 1, page] (speculation.py)
     token_pages: Any = None
     # The only stage's latest sampled tokens [R_max] (int32, one per logit row), which the next
     # step's tokens may take (StepPlan.token_source: async scheduling); None with several stages
     fed_tokens: Any = None
-    # jitted (params, kv_caches, token_pages, x, inputs, fed_tokens) -> (activations [T, D], or from
-    # the last stage those of each logit row's token [R_max, D]; kv_caches; token_pages)
+    # jitted (params, kv_cache, token_pages, x, inputs, fed_tokens) -> (activations [T, D], or from
+    # the last stage those of each logit row's token [R_max, D]; kv_cache; token_pages)
     layers_program: Callable | None = None
     # Each matrix's linear method (model/linear.py), part of every program's cache key: two layouts
     # can hold arrays of one shape (Q5_0 and Q5_K rows are both 22 bytes per 32 weights)
@@ -74,7 +75,7 @@ class StageRecipe:
 
     model: Decoder
     num_stages: int
-    kv_shape: tuple[int, int, int, int]  # [pages + the scratch page, page size, KV heads (widened for tp), head dim]
+    kv_shape: tuple[int, int, int, int]  # a layer's [pages + the scratch page, page size, KV heads (widened for tp), head dim]
     kv_dtype: Any
     kv_layout: KVLayout
     attention_impl: str
@@ -97,7 +98,6 @@ def build_stage(recipe: StageRecipe, index: int, layers: range, mesh: Mesh) -> S
         return Stage(index, layers, mesh, replicated, first, last, local=False)
     graphdef, params = _place_params(recipe, layers, mesh, replicated, first=first, last=last)
     kv_sharding = kv_cache_sharding(mesh)
-    zeros = jax.jit(lambda: jnp.zeros(recipe.kv_shape, recipe.kv_dtype), out_shardings=kv_sharding)
     module = nnx.merge(graphdef, params)
     head_graphdef, head_params = nnx.split(LMHead(module)) if last else (None, None)
     run_layers, run_head = _stage_functions(recipe, graphdef, jax.tree.structure(params), head_graphdef,
@@ -115,7 +115,8 @@ def build_stage(recipe: StageRecipe, index: int, layers: range, mesh: Mesh) -> S
     return Stage(index, layers, mesh, replicated, first, last, local=True, params=params,
                  param_leaves=jax.tree.leaves(params), head_param_leaves=jax.tree.leaves(head_params),
                  linear_methods=linear_methods(module),
-                 kv_caches=[(zeros(), zeros()) for _ in layers], token_pages=token_pages, fed_tokens=fed_tokens,
+                 kv_cache=KVCache.zeros(len(layers), recipe.kv_shape, recipe.kv_dtype, kv_sharding),
+                 token_pages=token_pages, fed_tokens=fed_tokens,
                  layers_program=layers_program, head_program=head_program)
 
 
@@ -156,17 +157,17 @@ def _stage_functions(recipe: StageRecipe, graphdef: nnx.GraphDef, param_treedef,
     attention = sharded_paged_attention(recipe.attention_impl, mesh)
     max_logit_rows, proposer = recipe.kv_layout.max_logit_rows, recipe.proposer
 
-    def run_layers(param_leaves, kv_caches, token_pages, x, packed_inputs, fed_tokens):
+    def run_layers(param_leaves, kv_cache, token_pages, x, packed_inputs, fed_tokens):
         stage = nnx.merge(graphdef, jax.tree.unflatten(param_treedef, param_leaves))
         inputs: StepInputs = packed_inputs.unpack()
         token_ids = inputs.token_ids
         if fed_tokens is not None:
             fed = fed_tokens[jnp.maximum(inputs.token_source, 0)]
             token_ids = jnp.where(inputs.token_source >= 0, fed, token_ids)
-        x, kv_caches = stage(token_ids if first else x, inputs.attention, kv_caches, inputs.logits_index, attention)
+        x, kv_cache = stage(token_ids if first else x, inputs.attention, kv_cache, inputs.logits_index, attention)
         if token_pages is not None:
             token_pages = write_tokens(token_pages, token_ids, inputs.attention.slot_mapping)
-        return x, kv_caches, token_pages
+        return x, kv_cache, token_pages
 
     def run_head(head_param_leaves, row_tokens, packed_sampling, packed_speculation, token_pages, draft_probs):
         sampling: SamplingMetadata = packed_sampling.unpack()

@@ -150,7 +150,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
                                 ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> segment_ids,
                                 ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> block_tables,
                                 ffi::Buffer<ffi::S32> kv_lens, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
-                                int64_t sliding_window, float soft_cap) {
+                                int64_t sliding_window, float soft_cap, int64_t first_page, int64_t layer_pages) {
   // Shapes are validated in Python (the wrapper names the argument); these checks keep a direct
   // caller from reading out of bounds.
   auto q_dims = q.dimensions();
@@ -165,10 +165,15 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   if ((!kv_f32 && !kv_bf16) || v_pages.element_type() != k_pages.element_type())
     return ffi::Error::InvalidArgument("ragged_paged_attention_native: k_pages and v_pages must both be f32 or bf16");
 
+  // The layer's pages are [first_page, first_page + layer_pages) of the arrays (every layer of a
+  // stage shares them: orca_jax.model.attention.KVCache), and its block tables count from first_page.
+  if (first_page < 0 || layer_pages < 0 || first_page + layer_pages > kv_dims[0])
+    return ffi::Error::InvalidArgument("ragged_paged_attention_native: the layer's pages lie outside k_pages");
+  const int64_t page_bytes = kv_dims[1] * kv_dims[2] * kv_dims[3] * (kv_f32 ? 4 : 2);
   Problem p;
   p.q = q.untyped_data();
-  p.k = k_pages.untyped_data();
-  p.v = v_pages.untyped_data();
+  p.k = static_cast<const char*>(k_pages.untyped_data()) + first_page * page_bytes;
+  p.v = static_cast<const char*>(v_pages.untyped_data()) + first_page * page_bytes;
   p.out = out->untyped_data();
   p.segment_ids = segment_ids.typed_data();
   p.positions = positions.typed_data();
@@ -177,7 +182,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   const int64_t num_tokens = q_dims[0];
   p.num_heads = q_dims[1];
   p.head_dim = q_dims[2];
-  p.num_pages = kv_dims[0];
+  p.num_pages = layer_pages;
   p.page_size = kv_dims[1];
   p.num_kv_heads = kv_dims[2];
   p.num_seqs = block_tables.dimensions()[0];
@@ -247,13 +252,16 @@ inline uint16_t f32_to_bf16(float f) {
 // and back (25 ms a layer for SmolLM2's 1 GiB cache), so bf16 pages are written here instead.
 ffi::Error WriteKV(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                    ffi::Buffer<ffi::S32> slot_mapping, ffi::Result<ffi::AnyBuffer> k_out,
-                   ffi::Result<ffi::AnyBuffer> v_out) {
+                   ffi::Result<ffi::AnyBuffer> v_out, int64_t first_page, int64_t layer_pages) {
   auto kv_dims = k_pages.dimensions();
   const bool f32 = k_pages.element_type() == ffi::F32, bf16 = k_pages.element_type() == ffi::BF16;
   if (kv_dims.size() != 4 || (!f32 && !bf16) || v_pages.element_type() != k_pages.element_type() ||
       k_out->untyped_data() != k_pages.untyped_data() || v_out->untyped_data() != v_pages.untyped_data())
     return ffi::Error::InvalidArgument("write_kv_native: pages must be f32 or bf16 and aliased by the outputs");
-  const int64_t row = kv_dims[2] * kv_dims[3], num_slots = kv_dims[0] * kv_dims[1];
+  if (first_page < 0 || layer_pages < 0 || first_page + layer_pages > kv_dims[0])
+    return ffi::Error::InvalidArgument("write_kv_native: the layer's pages lie outside the page arrays");
+  // Slots count from the layer's first page (as ragged_paged_attention's block tables do).
+  const int64_t row = kv_dims[2] * kv_dims[3], num_slots = layer_pages * kv_dims[1], first_slot = first_page * kv_dims[1];
   const int64_t num_tokens = slot_mapping.element_count();
   if (static_cast<int64_t>(k.element_count()) != num_tokens * row ||
       static_cast<int64_t>(v.element_count()) != num_tokens * row)
@@ -261,8 +269,8 @@ ffi::Error WriteKV(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::Buffer<f
   const int32_t* slots = slot_mapping.typed_data();
   for (auto [src, dst] : {std::pair{k.typed_data(), k_out->untyped_data()}, {v.typed_data(), v_out->untyped_data()}}) {
     for (int64_t t = 0; t < num_tokens; ++t) {
-      const int64_t slot = slots[t];
-      if (slot < 0 || slot >= num_slots) continue;  // out of the cache: nothing to write
+      if (slots[t] < 0 || slots[t] >= num_slots) continue;  // out of the layer's pages: nothing to write
+      const int64_t slot = first_slot + slots[t];
       const float* from = src + t * row;
       if (f32) {
         std::memcpy(static_cast<float*>(dst) + slot * row, from, row * sizeof(float));
@@ -303,7 +311,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OrcaWriteKV, WriteKV,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping [T]
                                   .Ret<ffi::AnyBuffer>()  // k_pages, aliased
-                                  .Ret<ffi::AnyBuffer>());  // v_pages, aliased
+                                  .Ret<ffi::AnyBuffer>()  // v_pages, aliased
+                                  .Attr<int64_t>("first_page")  // the layer's pages: [first_page,
+                                  .Attr<int64_t>("layer_pages"));  //   first_page + layer_pages)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OrcaRaggedPagedAttention, RaggedPagedAttention,
                               ffi::Ffi::Bind()
@@ -318,4 +328,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OrcaRaggedPagedAttention, RaggedPagedAttention,
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")  // 0: none
-                                  .Attr<float>("soft_cap"));  // 0: none
+                                  .Attr<float>("soft_cap")  // 0: none
+                                  .Attr<int64_t>("first_page")  // the layer's pages: [first_page,
+                                  .Attr<int64_t>("layer_pages"));  //   first_page + layer_pages)

@@ -23,7 +23,7 @@ def test_bfloat16_pages_double_what_a_budget_holds():
 
 def test_smollm2_with_bfloat16_pages_agrees_with_the_float32_reference(smollm2_bf16_kv_runner, smollm2,
                                                                         smollm2_reference):
-    k_pages, v_pages = smollm2_bf16_kv_runner.stages[0].kv_caches[0]
+    k_pages, v_pages = smollm2_bf16_kv_runner.stages[0].kv_cache.layer(0)
     assert k_pages.dtype == v_pages.dtype == jnp.bfloat16
     cases = [(case["prompt_ids"], case["greedy_ids"]) for case in smollm2_reference["cases"]]
     picks = teacher_forced(make_engine(smollm2_bf16_kv_runner, smollm2, "chunked", **SMOLLM2_LIMITS), cases)

@@ -9,6 +9,7 @@ from flax import nnx
 
 from orca_jax.config import load_model_preset
 from orca_jax.model import AttentionMetadata
+from orca_jax.model.attention import KVCache
 from orca_jax.model.decoder import init_decoder
 from orca_jax.model.paged_attention import ATTENTION_BACKENDS, paged_attention
 
@@ -40,7 +41,7 @@ def test_chunked_paged_forward_equals_full_forward(preset, impl):
     num_pages = 16
     tables = np.array(rng.permutation(num_pages)[:16].reshape(2, 8), np.int32)  # shuffled pages
     kv_shape = (num_pages + 1, PAGE, config.n_kv_heads, config.head_dim)
-    kv = [(jnp.zeros(kv_shape), jnp.zeros(kv_shape)) for _ in range(config.n_layers)]
+    kv = KVCache.zeros(config.n_layers, kv_shape, jnp.float32)  # every layer's pages in two arrays
     # Per step: tokens to compute for each sequence (0 = not in this step).
     schedule = [(5, 9), (7, 0), (4, 0), (1, 0), (1, 0), (5, 0)]
     done = [0, 0]
@@ -108,3 +109,32 @@ def test_native_write_equals_xla_write_in_place(dtype):
         assert g.dtype == dtype
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
         assert not np.array_equal(np.asarray(g, np.float32), np.asarray(before, np.float32))
+
+
+def test_native_write_and_attention_keep_to_the_layers_pages():
+    """With `pages` (a layer's range in arrays holding every layer's), the native write puts slot s
+    at the range's slot s, skips slots past the range, and the attention reads the range's pages:
+    what the whole-array calls give on the range alone."""
+    require_native()
+    import jax
+
+    from orca_jax.model.paged_attention import write_kv
+    from pallas_kernels.native import ragged_paged_attention_native, write_kv_native
+
+    rng = np.random.default_rng(2)
+    first, count = 3, 4
+    pages = [jnp.asarray(rng.normal(size=(9, PAGE, 2, 8)), jnp.float32) for _ in range(2)]
+    k, v = (jnp.asarray(rng.normal(size=(4, 2, 8)), jnp.float32) for _ in range(2))
+    slots = jnp.array([0, 5, count * PAGE + 1, 15], jnp.int32)  # the third lies past the layer's pages
+    got = jax.jit(functools.partial(write_kv_native, pages=(first, count)))(*pages, k, v, slots)
+    layer = [p[first:first + count] for p in pages]
+    want = write_kv(*layer, k, v, slots)
+    for g, w, whole in zip(got, want, pages):
+        np.testing.assert_array_equal(np.asarray(g[first:first + count]), np.asarray(w))
+        np.testing.assert_array_equal(np.asarray(g[:first]), np.asarray(whole[:first]))  # others untouched
+        np.testing.assert_array_equal(np.asarray(g[first + count:]), np.asarray(whole[first + count:]))
+    q = jnp.asarray(rng.normal(size=(2, 4, 8)), jnp.float32)
+    args = dict(segment_ids=jnp.array([0, 0]), positions=jnp.array([5, 6]), block_tables=jnp.array([[2, 0]]),
+                kv_lens=jnp.array([7]), sm_scale=0.3)
+    out = ragged_paged_attention_native(q, *got, **args, pages=(first, count))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ragged_paged_attention_native(q, *want, **args)))

@@ -19,6 +19,6 @@ def test_the_layers_program_reads_the_steps_cos_and_sin_and_computes_none(tiny_r
     angles = plan.positions[:, None] * theta ** (-np.arange(0, head_dim, 2) / head_dim)
     np.testing.assert_allclose(rotations.cos[0], np.cos(angles), atol=1e-5)
     np.testing.assert_allclose(rotations.sin[0], np.sin(angles), atol=1e-5)
-    args = (stage.param_leaves, stage.kv_caches, stage.token_pages, None, inputs, stage.fed_tokens)
+    args = (stage.param_leaves, stage.kv_cache, stage.token_pages, None, inputs, stage.fed_tokens)
     program = lower(stage.layers_program, args, runner.matmul_precision).as_text()
     assert "stablehlo.cosine" not in program and "stablehlo.sine" not in program
