@@ -102,7 +102,7 @@ def test_bfloat16_weights_and_kv_pages_give_the_counting_answers():
     llm = LLM(REPO_ROOT / "checkpoints" / "tiny", dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=16,
               token_buckets=[16], seq_buckets=[4], show_progress=False)
     stage = llm.runner.stages[0]
-    assert stage.kv_cache.k.dtype == jnp.bfloat16
+    assert stage.kv_cache.k[0].dtype == jnp.bfloat16
     assert stage.params["layers"][0]["attn"]["q"]["kernel"][...].dtype == jnp.bfloat16
     outputs = llm.generate(["3 5", "10 13", "60 61"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert [o.outputs[0].text.strip() for o in outputs] == ["7 9 11 13", "16 19 22 25", "62 63"]

@@ -31,39 +31,54 @@ LayerKV = tuple[jax.Array, jax.Array]
 PagedAttention = Callable[..., tuple[jax.Array, LayerKV]]
 
 
+# The most elements one KV array may hold: kernels index a page's rows with 32-bit offsets (a
+# Triton kernel's pointer arithmetic among them).
+MAX_KV_ARRAY_ELEMENTS = 2**31 - 1
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """The paged KV cache of a run of layers in two arrays, k and v, each [L * P, page, K, Dh]:
-    layer i's P pages (the engine's pages and the scratch page) are pages [i * P, (i + 1) * P).
-    Two arrays, not two per layer: a compiled step takes the cache and gives it back (donated), and
-    each array it gives back costs host time to make (60 of them, SmolLM2's 30 layers, took about
-    0.13 ms of a step's dispatch on an idle AMD EPYC Zen 4, several times that while the kernels ran).
-    A layer's attention is given its range (`pages`), so it reads and writes its own pages in place."""
+    """The paged KV cache of a run of layers in a few arrays: `k[a]` and `v[a]`, each [n * P, page,
+    K, Dh], hold the P pages (the engine's pages and the scratch page) of n = `layers_per_array`
+    consecutive layers, layer i in array i // n at pages [(i % n) * P, (i % n + 1) * P). As many
+    layers share an array as stay under MAX_KV_ARRAY_ELEMENTS (all of them on a CPU), because a
+    compiled step takes the cache and gives it back (donated), and each array it gives back costs
+    host time to make: SmolLM2's 60 per-layer arrays took about 0.13 ms of a step's dispatch on an
+    idle AMD EPYC Zen 4, and about 0.23 ms of the main thread's CPU while the kernels ran. A layer's
+    attention is given its range (`pages`), so it reads and writes its own pages in place."""
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     pages_per_layer: int = dataclasses.field(metadata=dict(static=True))
+    layers_per_array: int = dataclasses.field(metadata=dict(static=True))
 
     @classmethod
     def zeros(cls, num_layers: int, layer_shape: tuple[int, int, int, int], dtype, sharding=None) -> "KVCache":
         """A cache of `num_layers` layers of `layer_shape` [P, page, K, Dh] each, zeros."""
-        shape = (num_layers * layer_shape[0],) + tuple(layer_shape[1:])
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-        return cls(zeros(), zeros(), layer_shape[0])
+        pages, row = layer_shape[0], math.prod(layer_shape[1:])
+        per_array = max(1, min(num_layers, MAX_KV_ARRAY_ELEMENTS // max(pages * row, 1)))
+        k, v = [], []
+        for first in range(0, num_layers, per_array):
+            shape = ((min(num_layers, first + per_array) - first) * pages,) + tuple(layer_shape[1:])
+            zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+            k.append(zeros())
+            v.append(zeros())
+        return cls(tuple(k), tuple(v), pages, per_array)
 
     @property
     def num_layers(self) -> int:
-        return self.k.shape[0] // self.pages_per_layer
+        return sum(array.shape[0] for array in self.k) // self.pages_per_layer
 
-    def pages(self, layer: int) -> tuple[int, int]:
-        """Layer `layer`'s (first page, page count)."""
-        return layer * self.pages_per_layer, self.pages_per_layer
+    def where(self, layer: int) -> tuple[int, tuple[int, int]]:
+        """Layer `layer`'s array index and (first page, page count) in it."""
+        index, within = divmod(layer, self.layers_per_array)
+        return index, (within * self.pages_per_layer, self.pages_per_layer)
 
     def layer(self, layer: int) -> LayerKV:
         """Layer `layer`'s (k_pages, v_pages), [P, page, K, Dh] each (a copy: for reading)."""
-        first, count = self.pages(layer)
-        return self.k[first:first + count], self.v[first:first + count]
+        index, (first, count) = self.where(layer)
+        return self.k[index][first:first + count], self.v[index][first:first + count]
 
 
 @jax.tree_util.register_dataclass

@@ -189,10 +189,11 @@ def run_layers(layers, x: Float[Array, "T D"], meta: AttentionMetadata, kv_cache
         return x, None
     if kv_cache.num_layers != len(layers):
         raise ValueError(f"a KV cache of {kv_cache.num_layers} layers given to {len(layers)} layers")
-    pages = (kv_cache.k, kv_cache.v)
+    k, v = list(kv_cache.k), list(kv_cache.v)
     for i, layer in enumerate(layers):
-        x, pages = layer(x, meta, pages, functools.partial(attention, pages=kv_cache.pages(i)))
-    return x, dataclasses.replace(kv_cache, k=pages[0], v=pages[1])
+        index, pages = kv_cache.where(i)
+        x, (k[index], v[index]) = layer(x, meta, (k[index], v[index]), functools.partial(attention, pages=pages))
+    return x, dataclasses.replace(kv_cache, k=tuple(k), v=tuple(v))
 
 
 def project_logits(final_norm, head: Embed, x: Float[Array, "T D"], logits_index: Int[Array, " S"] | None,

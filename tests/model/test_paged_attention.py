@@ -138,3 +138,33 @@ def test_native_write_and_attention_keep_to_the_layers_pages():
                 kv_lens=jnp.array([7]), sm_scale=0.3)
     out = ragged_paged_attention_native(q, *got, **args, pages=(first, count))
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ragged_paged_attention_native(q, *want, **args)))
+
+
+def test_a_cache_splits_its_layers_over_arrays_that_kernels_can_index(monkeypatch):
+    """Layers share an array as far as MAX_KV_ARRAY_ELEMENTS allows (32-bit offsets in kernels), and
+    the model runs the same over any split: 5 layers of 120-element pages under a limit of 2.5
+    layers' elements make arrays of 2, 2 and 1 layers whose paged forward equals the one-array cache's."""
+    import dataclasses
+
+    from orca_jax.model import attention
+
+    config = dataclasses.replace(load_model_preset("tiny"), n_layers=5)
+    model = init_decoder(config, seed=3)
+    layer_shape = (3, PAGE, config.n_kv_heads, config.head_dim)
+    one = KVCache.zeros(config.n_layers, layer_shape, jnp.float32)
+    assert len(one.k) == 1 and one.num_layers == config.n_layers
+    layer_elements = int(np.prod(layer_shape))
+    monkeypatch.setattr(attention, "MAX_KV_ARRAY_ELEMENTS", 2 * layer_elements + layer_elements // 2)
+    split = KVCache.zeros(config.n_layers, layer_shape, jnp.float32)
+    per_array = [a.shape[0] // 3 for a in split.k]
+    assert per_array == [2, 2, 1]
+    meta = AttentionMetadata(positions=jnp.arange(5, dtype=jnp.int32), segment_ids=jnp.zeros(5, jnp.int32),
+                             slot_mapping=jnp.array([4, 5, 6, 7, 8], jnp.int32), block_tables=jnp.array([[1, 2]]),
+                             kv_lens=jnp.array([5], jnp.int32))
+    ids = jnp.array([3, 1, 4, 1, 5], jnp.int32)
+    want, kv_one = paged_forward(model, ids, meta, one, "xla")
+    got, kv_split = paged_forward(model, ids, meta, split, "xla")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for layer in range(config.n_layers):
+        for a, b in zip(kv_split.layer(layer), kv_one.layer(layer)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

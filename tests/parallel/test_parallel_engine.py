@@ -62,7 +62,7 @@ def test_tiny_layouts_give_the_one_device_tokens(tiny_layouts, tiny_trained, tin
 
 def test_parameters_and_kv_pages_are_split_over_tp(tiny_layouts):
     stage = tiny_layouts(2, 1).stages[0]
-    k_pages = stage.kv_cache.k  # [L * P, page, K, Dh]: 2 KV heads, one per device
+    k_pages = stage.kv_cache.k[0]  # [L * P, page, K, Dh]: 2 KV heads, one per device
     assert {shard.data.shape[2] for shard in k_pages.addressable_shards} == {1}
     q_kernel = stage.params["layers"][0]["attn"]["q"]["kernel"][...]  # [D, H, Dh]: 4 heads, 2 per device
     assert {shard.data.shape[1] for shard in q_kernel.addressable_shards} == {2}
@@ -103,7 +103,7 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them():
                                  eos_token_id=None)  # a vocabulary tp 4 divides
     model = types.SimpleNamespace(config=config, model=init_decoder(config, seed=3), tokenizer=None, path="tiny-gqa")
     one, four = (warm_tiny_runner(model, "xla", tp=tp) for tp in (1, 4))
-    k_pages = four.stages[0].kv_cache.k
+    k_pages = four.stages[0].kv_cache.k[0]
     assert k_pages.shape[2] == 4 and {s.data.shape[2] for s in k_pages.addressable_shards} == {1}
     requests = [([i, i + 1, i + 2], SamplingParams(temperature=0, max_tokens=10)) for i in range(1, 7)]
     tokens = [[o.outputs[0].token_ids for o in run_all(make_engine(runner, model, "chunked", **TINY_LIMITS), requests)]

@@ -41,7 +41,7 @@ def runner_for(path, dtype):
                           scheduler=SchedulerConfig(policy="orca", max_num_seqs=4, max_num_batched_tokens=16))
     runner, loaded, _ = build_runner(config, BuildOptions(token_buckets=[16], seq_buckets=[4]))
     stage = runner.stages[0]
-    return loaded, stage.params["layers"][0]["attn"]["q"]["kernel"][...], stage.kv_cache.k.dtype
+    return loaded, stage.params["layers"][0]["attn"]["q"]["kernel"][...], stage.kv_cache.k[0].dtype
 
 
 def test_auto_runs_a_bfloat16_checkpoint_in_float32_on_cpu_and_says_so(bf16_checkpoint, capsys):
