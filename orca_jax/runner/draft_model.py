@@ -233,7 +233,7 @@ class DraftModelRunner:
 
         x0 = tokens[new_row]
         kv_cache, _, drafts = jax.lax.fori_loop(0, k, draft_step,
-                                                 (kv_cache, x0, jnp.full((num_seqs, k), -1, jnp.int32)))
+                                                (kv_cache, x0, jnp.full((num_seqs, k), -1, jnp.int32)))
         drafts = jnp.where(jnp.arange(k)[None, :] < room[:, None], drafts, -1)
         all_drafts = jnp.full((max_seqs, k), -1, jnp.int32).at[:num_seqs].set(drafts)
         num_drafts = jnp.zeros(max_seqs, jnp.int32).at[:num_seqs].set(room)
