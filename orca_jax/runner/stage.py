@@ -49,7 +49,7 @@ class Stage:
     # State's ~270 variables at every call (~1.5 ms of host time per step)
     param_leaves: list = dataclasses.field(default_factory=list)
     head_param_leaves: list = dataclasses.field(default_factory=list)  # the last stage's LMHead's, for its head program
-    kv_cache: KVCache | None = None  # every layer's KV pages (two arrays)
+    kv_cache: KVCache | None = None  # the stage's KV pages, its layers' in a few arrays
     # A speculating runner's last stage: the token id of every KV slot [P + 1, page] (speculation.py)
     token_pages: Any = None
     # The only stage's latest sampled tokens [R_max] (int32, one per logit row), which the next

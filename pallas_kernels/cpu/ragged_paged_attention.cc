@@ -165,8 +165,8 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   if ((!kv_f32 && !kv_bf16) || v_pages.element_type() != k_pages.element_type())
     return ffi::Error::InvalidArgument("ragged_paged_attention_native: k_pages and v_pages must both be f32 or bf16");
 
-  // The layer's pages are [first_page, first_page + layer_pages) of the arrays (every layer of a
-  // stage shares them: orca_jax.model.attention.KVCache), and its block tables count from first_page.
+  // The layer's pages are [first_page, first_page + layer_pages) of the arrays (the layers of a
+  // stage share them: orca_jax.model.attention.KVCache), and its block tables count from first_page.
   if (first_page < 0 || layer_pages < 0 || first_page + layer_pages > kv_dims[0])
     return ffi::Error::InvalidArgument("ragged_paged_attention_native: the layer's pages lie outside k_pages");
   const int64_t page_bytes = kv_dims[1] * kv_dims[2] * kv_dims[3] * (kv_f32 ? 4 : 2);
