@@ -51,7 +51,6 @@ class KVCache:
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     pages_per_layer: int = dataclasses.field(metadata=dict(static=True))
-    layers_per_array: int = dataclasses.field(metadata=dict(static=True))
 
     @classmethod
     def zeros(cls, num_layers: int, layer_shape: tuple[int, int, int, int], dtype, sharding=None) -> "KVCache":
@@ -64,7 +63,11 @@ class KVCache:
             zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
             k.append(zeros())
             v.append(zeros())
-        return cls(tuple(k), tuple(v), pages, per_array)
+        return cls(tuple(k), tuple(v), pages)
+
+    @property
+    def layers_per_array(self) -> int:
+        return self.k[0].shape[0] // self.pages_per_layer
 
     @property
     def num_layers(self) -> int:

@@ -37,11 +37,15 @@ PAGES_PER_BLOCK = 8  # context pages gathered per loop iteration
 
 def write_kv(
     k_pages: KVPages, v_pages: KVPages, k: Float[Array, "T K Dh"], v: Float[Array, "T K Dh"],
-    slot_mapping: Int[Array, " T"],
+    slot_mapping: Int[Array, " T"], pages: tuple[int, int] | None = None,
 ) -> tuple[KVPages, KVPages]:
     """Scatters this call's K/V to their slots (page * page_size + offset); padding tokens write to
-    a scratch slot no request owns. In place when the caller donates the pages."""
+    a scratch slot no request owns. In place when the caller donates the pages. `pages` (first,
+    count): the layer's range when the arrays hold several layers' pages (attention.KVCache); the
+    slots count from its first page and lie in it."""
     num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
+    if pages is not None:
+        slot_mapping = slot_mapping + pages[0] * page_size
     flat_shape = (num_pages * page_size, num_kv_heads, head_dim)
     k_pages = k_pages.reshape(flat_shape).at[slot_mapping].set(k.astype(k_pages.dtype)).reshape(k_pages.shape)
     v_pages = v_pages.reshape(flat_shape).at[slot_mapping].set(v.astype(v_pages.dtype)).reshape(v_pages.shape)
@@ -60,8 +64,10 @@ def ragged_paged_attention_xla(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    pages: tuple[int, int] | None = None,
 ) -> Float[Array, "T H Dh"]:
     del kv_lens  # implied by the precondition: the call's last token of a segment is its last position
+    block_tables = _from_first_page(block_tables, pages)
     num_tokens, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     num_seqs, max_pages = block_tables.shape
@@ -147,12 +153,17 @@ def _attend_context(qg, token_tables, context_len, window_start, k_pages, v_page
     return jax.lax.fori_loop(jnp.minimum(first_block, num_blocks), num_blocks, attend_block, carry)
 
 
+def _from_first_page(block_tables, pages: tuple[int, int] | None):
+    """Page numbers relative to a layer's first page (`pages`, see write_kv) as indices of the arrays."""
+    return block_tables if pages is None else block_tables + pages[0]
+
+
 def _pallas(interpret: bool):
     def call(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens, *, sm_scale,
-             sliding_window=None, soft_cap=None):
+             sliding_window=None, soft_cap=None, pages=None):
         from pallas_kernels import ragged_paged_attention as kernel
 
-        return kernel(q, k_pages, v_pages, segment_ids, positions, block_tables, kv_lens,
+        return kernel(q, k_pages, v_pages, segment_ids, positions, _from_first_page(block_tables, pages), kv_lens,
                       sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
 
     return call
@@ -175,12 +186,12 @@ def _native_write_kv(k_pages, v_pages, k, v, slot_mapping, pages=None):
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
-    attend: Callable  # the kernel contract above
-    write_kv: Callable = write_kv  # (k_pages, v_pages, k, v, slot_mapping) -> (k_pages, v_pages)
-    # Both take `pages=(first, count)`, a layer's pages in arrays holding every layer's (the page
-    # numbers and slots given count from `first`): the native kernels offset their pointers by it. The
-    # others are given page numbers and slots shifted by `first` instead (paged_attention).
-    takes_pages: bool = False
+    # The kernel contract above, and (k_pages, v_pages, k, v, slot_mapping) -> (k_pages, v_pages).
+    # Both also take `pages=(first, count)`, a layer's range in arrays holding several layers' pages,
+    # from whose first page the page numbers and slots count: the native kernels offset their
+    # pointers by it, the others shift the page numbers and slots.
+    attend: Callable
+    write_kv: Callable = write_kv
 
 
 # By attention_impl, as backends.resolve_attention_impl resolves it: "pallas" compiles the kernel
@@ -191,7 +202,7 @@ ATTENTION_BACKENDS = {
     "xla": AttentionBackend(ragged_paged_attention_xla),
     "pallas": AttentionBackend(_pallas(interpret=False)),
     "pallas-interpret": AttentionBackend(_pallas(interpret=True)),
-    "native": AttentionBackend(_native, _native_write_kv, takes_pages=True),
+    "native": AttentionBackend(_native, _native_write_kv),
 }
 
 
@@ -205,13 +216,8 @@ def paged_attention(q: Float[Array, "T H Dh"], k: Float[Array, "T K Dh"], v: Flo
     holds every layer's (attention.KVCache); meta's page numbers and slots count from `first`.
     Under tensor parallelism this whole function runs per shard of heads."""
     backend = ATTENTION_BACKENDS[impl]
-    slot_mapping, block_tables, options = meta.slot_mapping, meta.block_tables, {}
-    if pages is not None and backend.takes_pages:
-        options = {"pages": pages}
-    elif pages is not None and pages[0]:
-        slot_mapping = slot_mapping + pages[0] * kv[0].shape[1]
-        block_tables = block_tables + pages[0]
-    k_pages, v_pages = backend.write_kv(*kv, k, v, slot_mapping, **options)
-    out = backend.attend(q, k_pages, v_pages, meta.segment_ids, meta.positions, block_tables,
-                         meta.kv_lens, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **options)
+    k_pages, v_pages = backend.write_kv(*kv, k, v, meta.slot_mapping, pages=pages)
+    out = backend.attend(q, k_pages, v_pages, meta.segment_ids, meta.positions, meta.block_tables,
+                         meta.kv_lens, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                         pages=pages)
     return out, (k_pages, v_pages)
