@@ -174,3 +174,24 @@ def test_native_refuses_other_dtypes_naming_the_argument(name):
         args["v_pages"] = args["k_pages"]
     with pytest.raises(ValueError, match=f"{name} must be float32 or bfloat16"):
         ragged_paged_attention_native(*[args[n] for n in names], sm_scale=0.1)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (8, 2)])
+def test_native_decode_token_alone_equals_the_same_token_among_many(num_heads, num_kv_heads):
+    """A decode token alone in a call is split by query head over several items (the threads would
+    otherwise idle); among enough others it is one item of all its heads. Each row's arithmetic is
+    the same either way: the bits must be too (batched == solo)."""
+    require_native()
+    rng = np.random.default_rng(11)
+    shape = dict(page_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64)
+    seqs = [(150, 1)] + [(40 + 9 * s, 1) for s in range(7)]
+    q, k, v, segment_ids, positions, tables, kv_lens = make_batch(rng, **shape, seqs=seqs)
+    many = np.asarray(ragged_paged_attention_native(q, k, v, segment_ids, positions, tables, kv_lens,
+                                                    sm_scale=0.125))
+    # The first sequence alone: its token, its table row, its length (the pages are the same arrays).
+    alone = np.asarray(ragged_paged_attention_native(q[:1], k, v, segment_ids[:1], positions[:1], tables[:1],
+                                                     kv_lens[:1], sm_scale=0.125))
+    want = ragged_paged_attention_reference(q[:1], k, v, segment_ids[:1], positions[:1], tables[:1], kv_lens[:1],
+                                            sm_scale=0.125)
+    np.testing.assert_allclose(alone, np.asarray(want), atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(alone[0], many[0])
