@@ -11,6 +11,7 @@ model never names an implementation or a mesh axis.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -57,12 +58,14 @@ class KVCache:
         """A cache of `num_layers` layers of `layer_shape` [P, page, K, Dh] each, zeros."""
         pages, row = layer_shape[0], math.prod(layer_shape[1:])
         per_array = max(1, min(num_layers, MAX_KV_ARRAY_ELEMENTS // max(pages * row, 1)))
+        # One compiled zeros per array shape (at most two: the full arrays and a shorter last one),
+        # not one per array: a large model's cache on a GPU is tens of arrays.
+        zeros = functools.cache(lambda shape: jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding))
         k, v = [], []
         for first in range(0, num_layers, per_array):
             shape = ((min(num_layers, first + per_array) - first) * pages,) + tuple(layer_shape[1:])
-            zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-            k.append(zeros())
-            v.append(zeros())
+            k.append(zeros(shape)())
+            v.append(zeros(shape)())
         return cls(tuple(k), tuple(v), pages)
 
     @property
