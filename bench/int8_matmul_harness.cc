@@ -28,15 +28,8 @@ double ns_per_block(int64_t out, int64_t in, int64_t tokens, int reps) {
   std::vector<float> x(tokens * in), y(tokens * out);
   for (auto& v : x) v = static_cast<float>(rng() % 1000) / 500.0f - 1.0f;
   const Problem p{x.data(), w.data(), nullptr, y.data(), tokens, in, out, row_bytes, blocks};
-  Activations a;  // as int8_activations_matmul lays it out
-  a.blocks_per_step = step_blocks(F);
-  a.steps = (blocks + a.blocks_per_step - 1) / a.blocks_per_step;
-  const size_t lanes = static_cast<size_t>(tokens * a.steps * kLanes);
-  a.q.assign(2 * a.blocks_per_step * lanes, 0);
-  a.init.assign(lanes, 0);
-  a.d.assign(lanes, 0.0f);
-  a.groups = (blocks + 15) / 16;
-  a.block_sums.assign(static_cast<size_t>(tokens * a.groups * kLanes), 0.0f);
+  Activations a;
+  a.reset(tokens, blocks, step_blocks(F));
   for (int64_t t = 0; t < tokens; ++t) {
     if constexpr (V == Variant::kAvx512Vnni) {
       avx512::quantize_row(p, t, avx512vnni::weight_offset(F), a);

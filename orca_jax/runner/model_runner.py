@@ -159,8 +159,7 @@ class ModelRunner:
                               "same number of devices")
         self.followers = None  # the leader's multihost.PlanSender, attached by the builder
         self.step_timeout = step_timeout
-        on_cpu = self.stages[-1].mesh.devices.flat[0].platform == "cpu"
-        self._waiter = ResultWaiter(self.multi_process, host_memory=on_cpu)
+        self._waiter = ResultWaiter(self.multi_process, host_memory=platform == "cpu")
         self._pacing = FollowerPacing(self.max_in_flight)
         self._last_local_output = None
         self.stats = RunnerStats()

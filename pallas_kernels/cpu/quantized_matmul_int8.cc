@@ -41,6 +41,18 @@ struct Activations {
   std::vector<int32_t> init;       // [T, steps, 16]: -offset * (sum of the lane's q_x), where lanes start
   std::vector<float> d;            // [T, steps, 16]: the lane's block's d_x
   std::vector<float> block_sums;   // [T, groups * 16]: f32(float(sum of the block's 32 q_x) * d_x), zeros after the last
+
+  // Laid out, zeroed, for `tokens` rows of `blocks` blocks in steps of G (keeping the capacity).
+  void reset(int64_t tokens, int64_t blocks, int G) {
+    blocks_per_step = G;
+    steps = (blocks + G - 1) / G;
+    const size_t lanes = static_cast<size_t>(tokens * steps * kLanes);
+    q.assign(2 * G * lanes, 0);
+    init.assign(lanes, 0);
+    d.assign(lanes, 0.0f);
+    groups = (blocks + 15) / 16;
+    block_sums.assign(static_cast<size_t>(tokens * groups * kLanes), 0.0f);
+  }
 };
 
 // Calls of at least this many tokens quantize x over the pool's threads.
@@ -154,14 +166,7 @@ void int8_activations_matmul(xla::ffi::ThreadPool& pool, const std::vector<Probl
     layouts.push_back(layout);
     if (quantized.size() < layouts.size()) quantized.emplace_back();
     Activations& a = quantized[known];
-    a.blocks_per_step = layout.second;
-    a.steps = (first.blocks + a.blocks_per_step - 1) / a.blocks_per_step;
-    const size_t lanes = static_cast<size_t>(first.tokens * a.steps * kLanes);
-    a.q.assign(2 * a.blocks_per_step * lanes, 0);
-    a.init.assign(lanes, 0);
-    a.d.assign(lanes, 0.0f);
-    a.groups = (first.blocks + 15) / 16;
-    a.block_sums.assign(static_cast<size_t>(first.tokens * a.groups * kLanes), 0.0f);
+    a.reset(first.tokens, first.blocks, layout.second);
     auto quantize_token = [&](int64_t t) { quantize(first, t, layout.first, a); };
     if (first.tokens >= kTokensQuantizedInParallel) {
       orca_native::parallel_for(pool, first.tokens, quantize_token);
