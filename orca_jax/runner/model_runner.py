@@ -41,6 +41,7 @@ from orca_jax.parallel.layout import check_parallel, kv_heads_for_tp, stage_laye
 from orca_jax.parallel.transfers import FollowerPacing, ResultWaiter, move
 from orca_jax.runner.compile_cache import ExecutableStore, enable_compilation_cache
 from orca_jax.runner.draft_model import build_drafter
+from orca_jax.runner.huge_pages import back_with_huge_pages
 from orca_jax.runner.programs import Programs
 from orca_jax.runner.speculation import DraftModelProposer, NgramProposer, SpeculativeOutput
 from orca_jax.runner.stage import Stage, StageRecipe, build_stage, result_shapes
@@ -154,6 +155,10 @@ class ModelRunner:
             self.programs.drafter = build_drafter(
                 proposer, self.stages[-1], self.kv_layout, buckets, config.vocab_size, self.attention_impl,
                 self.kv_dtype, parallel.tensor_parallel_size, self.programs, self.layers_inputs, self.head_inputs)
+        if platform == "cpu":  # every step streams the weights: in 2 MB pages (huge_pages.py)
+            collapsed = back_with_huge_pages(self.streamed_arrays())
+            log.info("weights and KV pages: %d MB moved into 2 MB pages, %d spans of 2 MB left in 4 KB pages %s",
+                     collapsed.megabytes, collapsed.refused, collapsed.reason)
         if self.stages[0].mesh.devices.flat[0].process_index != 0:
             raise ConfigError("the leader (process 0) must hold the first pipeline stage: give every process the "
                               "same number of devices")
@@ -163,6 +168,14 @@ class ModelRunner:
         self._pacing = FollowerPacing(self.max_in_flight)
         self._last_local_output = None
         self.stats = RunnerStats()
+
+    def streamed_arrays(self) -> list[jax.Array]:
+        """The arrays a step streams: this process's stages' parameters and KV pages, and a draft
+        model's."""
+        arrays = [leaf for stage in self.stages if stage.local for leaf in (*stage.param_leaves,
+                                                                          *jax.tree.leaves(stage.kv_cache))]
+        drafter = self.programs.drafter
+        return arrays + ([] if drafter is None else jax.tree.leaves((drafter.params, drafter.kv_cache)))
 
     @property
     def executable_store(self) -> ExecutableStore:
