@@ -44,14 +44,18 @@ class Collapsed:
         return self.spans * HUGE_PAGE >> 20
 
 
-def _mappings() -> list[tuple[int, int]]:
-    """This process's mapped address ranges [start, end), from /proc/self/maps."""
-    ranges = []
+def _mapped_runs() -> list[tuple[int, int]]:
+    """This process's mapped addresses as runs [start, end) of adjacent mappings (a buffer can span
+    several, once an earlier madvise split its mapping), from /proc/self/maps."""
+    runs: list[list[int]] = []
     with open("/proc/self/maps") as maps:
         for line in maps:
-            start, end = line.split(maxsplit=1)[0].split("-")
-            ranges.append((int(start, 16), int(end, 16)))
-    return ranges
+            start, end = (int(bound, 16) for bound in line.split(maxsplit=1)[0].split("-"))
+            if runs and runs[-1][1] == start:
+                runs[-1][1] = end
+            else:
+                runs.append([start, end])
+    return [(start, end) for start, end in runs]
 
 
 def _buffers(arrays: Iterable[jax.Array]) -> list[tuple[int, int]]:
@@ -73,15 +77,16 @@ def back_with_huge_pages(arrays: Iterable[jax.Array]) -> Collapsed:
         return done
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    mappings = _mappings()
+    runs = _mapped_runs()
     spans = set()
     for address, size in buffers:
-        mapping = next(((start, end) for start, end in mappings if start <= address < end), None)
-        if mapping is None:
+        run = next(((start, end) for start, end in runs if start <= address < end), None)
+        if run is None:
             continue
-        # Whole 2 MB spans, within the buffer's own mapping (madvise refuses unmapped addresses).
-        first = max(address // HUGE_PAGE, -(-mapping[0] // HUGE_PAGE))
-        end = min(-(-(address + size) // HUGE_PAGE), mapping[1] // HUGE_PAGE)
+        # The 2 MB spans the buffer touches that lie wholly in mapped memory (madvise refuses
+        # unmapped addresses).
+        first = max(address // HUGE_PAGE, -(-run[0] // HUGE_PAGE))
+        end = min(-(-(address + size) // HUGE_PAGE), run[1] // HUGE_PAGE)
         spans.update(range(first, end))
     for span in sorted(spans):
         start = span * HUGE_PAGE

@@ -157,8 +157,8 @@ class ModelRunner:
                 self.kv_dtype, parallel.tensor_parallel_size, self.programs, self.layers_inputs, self.head_inputs)
         if platform == "cpu":  # every step streams the weights: in 2 MB pages (huge_pages.py)
             collapsed = back_with_huge_pages(self.streamed_arrays())
-            log.info("weights and KV pages: %d MB moved into 2 MB pages, %d spans of 2 MB left in 4 KB pages %s",
-                     collapsed.megabytes, collapsed.refused, collapsed.reason)
+            left = f"; {collapsed.refused} spans left in 4 KB pages ({collapsed.reason})" if collapsed.refused else ""
+            log.info("weights and KV pages: %d MB moved into 2 MB pages%s", collapsed.megabytes, left)
         if self.stages[0].mesh.devices.flat[0].process_index != 0:
             raise ConfigError("the leader (process 0) must hold the first pipeline stage: give every process the "
                               "same number of devices")
