@@ -5,14 +5,27 @@
 // memory, a machine's noise); this is for comparing two builds of a tile or an unpacking, which
 // moved this figure by a few percent reproducibly where the other moved by 20% from run to run.
 //
+// `stream [THREADS] [avx2]` instead times one decode token through every matrix of the SmolLM2
+// Q4_K_M file (Q5_0 layers, Q8_0 or Q5_0 v, Q4_K or Q6_K down, the Q8_0 LM head: 95 MB, from
+// memory), in the model's order, on THREADS threads (default 2) that share each call's work items in
+// contiguous halves and meet at a spinning barrier after it, as llama.cpp's threads do: what the
+// kernel does with memory and the cores to itself, for comparing with the model's matmul time in
+// bench/profile_decode_step.py.
+//
 //   JAX_FFI=$(.venv/bin/python -c 'import jax; print(jax.ffi.include_dir())')
-//   g++ -O3 -std=c++20 -I pallas_kernels/cpu -isystem "$JAX_FFI" bench/int8_matmul_harness.cc -o /tmp/int8_harness
+//   g++ -O3 -std=c++20 -I pallas_kernels/cpu -isystem "$JAX_FFI" bench/int8_matmul_harness.cc -o /tmp/int8_harness -lpthread
 //   /tmp/int8_harness             # both x86 variants this file times need AVX-512 VNNI and AVX2
+//   /tmp/int8_harness stream 2
 #include "quantized_matmul_int8.cc"
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <random>
+#include <thread>
 
 using namespace orca_qmm;
 
@@ -64,11 +77,105 @@ void row(const char* name, int tokens) {
               ns_per_block<Format::kQ5_K, V>(512, 768, tokens, reps), ns_per_block<Format::kQ6_K, V>(512, 768, tokens, reps));
 }
 
-int main() {
+template <Variant V, Format F>
+void run_item(const Problem& p, const Activations& a, int64_t first, int64_t end) {
+  if constexpr (V == Variant::kAvx512Vnni) {
+    avx512vnni::item<F>(p, a, first, end);
+  } else {
+    avx2::item<F>(p, a, first, end);
+  }
+}
+
+// One decode token through the Q4_K_M file's matrices, `threads` threads, weights from memory.
+template <Variant V>
+void stream(int threads) {
+  struct Matrix {
+    Format f;
+    int64_t out, in, row_bytes;
+    const uint8_t* w;
+  };
+  std::vector<Matrix> matrices;
+  auto add = [&](Format f, int64_t out, int64_t in) {
+    matrices.push_back({f, out, in, in / kBlock / sub_blocks(f) * block_bytes(f), nullptr});
+  };
+  for (int layer = 0; layer < 30; ++layer) {  // the file's types: v and down alternate between two
+    add(Format::kQ5_0, 576, 576);
+    add(Format::kQ5_0, 192, 576);
+    add(layer % 2 ? Format::kQ5_0 : Format::kQ8_0, 192, 576);
+    add(Format::kQ5_0, 576, 576);
+    add(Format::kQ5_0, 1536, 576);
+    add(Format::kQ5_0, 1536, 576);
+    add(layer % 2 ? Format::kQ4_K : Format::kQ6_K, 576, 1536);
+  }
+  add(Format::kQ8_0, 49152, 576);
+  size_t total = 0;
+  for (const Matrix& m : matrices) total += m.out * m.row_bytes;
+  std::vector<uint8_t> weights(total);
+  std::mt19937 rng(1);
+  for (auto& byte : weights) byte = rng() & 0x3F;  // small bytes: every f16 scale finite and normal
+  size_t at = 0;
+  for (Matrix& m : matrices) m.w = weights.data() + at, at += m.out * m.row_bytes;
+  // x quantized once per layout (the model does it per call: a few hundred ns for one token).
+  std::vector<float> x(1536, 0.5f), y(49152);
+  std::vector<Activations> quantized(matrices.size());
+  for (size_t i = 0; i < matrices.size(); ++i) {
+    const Matrix& m = matrices[i];
+    const Problem p{x.data(), m.w, nullptr, y.data(), 1, m.in, m.out, m.row_bytes, m.in / kBlock};
+    quantized[i].reset(1, p.blocks, step_blocks(m.f));
+    if constexpr (V == Variant::kAvx512Vnni) {
+      avx512::quantize_row(p, 0, avx512vnni::weight_offset(m.f), quantized[i]);
+    } else {
+      avx2::quantize_row(p, 0, avx2::weight_offset(m.f), quantized[i]);
+    }
+  }
+  std::atomic<int64_t> arrived{0};
+  std::vector<double> ms;
+  const int passes = 60;
+  auto work = [&](int thread) {
+    int64_t calls = 0;
+    for (int pass = 0; pass < passes; ++pass) {
+      const auto start = std::chrono::steady_clock::now();
+      for (size_t i = 0; i < matrices.size(); ++i) {
+        const Matrix& m = matrices[i];
+        const Problem p{x.data(), m.w, nullptr, y.data(), 1, m.in, m.out, m.row_bytes, m.in / kBlock};
+        const int64_t items = (m.out + kRowsPerItem - 1) / kRowsPerItem;
+        for (int64_t item = items * thread / threads; item < items * (thread + 1) / threads; ++item) {
+          const int64_t first = item * kRowsPerItem, end = std::min<int64_t>(first + kRowsPerItem, m.out);
+          with_format(m.f, [&]<Format F>() {
+            if constexpr (F != Format::kF32) run_item<V, F>(p, quantized[i], first, end);
+          });
+        }
+        ++calls;  // the barrier: every thread done with this call
+        arrived.fetch_add(1, std::memory_order_acq_rel);
+        while (arrived.load(std::memory_order_acquire) < calls * threads) _mm_pause();
+      }
+      if (thread == 0) ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+    }
+  };
+  std::vector<std::thread> others;
+  for (int t = 1; t < threads; ++t) others.emplace_back(work, t);
+  work(0);
+  for (auto& t : others) t.join();
+  std::sort(ms.begin(), ms.end());
+  const double median = ms[ms.size() / 2];
+  std::printf("%s, %d thread(s), %zu MB a token: best %.3f ms, median %.3f ms (%.1f GB/s)\n",
+              V == Variant::kAvx512Vnni ? "avx512vnni" : "avx2", threads, total >> 20, ms[0], median, total / median / 1e6);
+}
+
+int main(int argc, char** argv) {
 #if defined(__x86_64__)
   if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx2")) {
     std::fprintf(stderr, "this harness times the avx512vnni and avx2 variants: the CPU lacks one\n");
     return 2;
+  }
+  if (argc > 1 && std::strcmp(argv[1], "stream") == 0) {
+    const int threads = argc > 2 ? std::atoi(argv[2]) : 2;
+    if (argc > 3 && std::strcmp(argv[3], "avx2") == 0) {
+      stream<Variant::kAvx2>(threads);
+    } else {
+      stream<Variant::kAvx512Vnni>(threads);
+    }
+    return 0;
   }
   std::printf("ns per 32-weight block, output row and token (one thread, weights in cache, best pass)\n");
   for (int tokens : {1, 16, 64}) {
