@@ -158,7 +158,9 @@ class ModelRunner:
         if platform == "cpu":  # every step streams the weights: in 2 MB pages (huge_pages.py)
             collapsed = back_with_huge_pages(self.streamed_arrays())
             left = f"; {collapsed.refused} spans left in 4 KB pages ({collapsed.reason})" if collapsed.refused else ""
-            log.info("weights and KV pages: %d MB moved into 2 MB pages%s", collapsed.megabytes, left)
+            # None moved: THP off (`never`) or a kernel before 6.1, which costs every step some speed.
+            level = logging.WARNING if collapsed.refused and not collapsed.spans else logging.INFO
+            log.log(level, "weights and KV pages: %d MB moved into 2 MB pages%s", collapsed.megabytes, left)
         if self.stages[0].mesh.devices.flat[0].process_index != 0:
             raise ConfigError("the leader (process 0) must hold the first pipeline stage: give every process the "
                               "same number of devices")

@@ -1,5 +1,6 @@
 """A CPU runner's weights and KV pages in 2 MB pages (runner/huge_pages.py)."""
 
+import logging
 import sys
 from pathlib import Path
 
@@ -70,3 +71,20 @@ def test_a_cpu_runners_weights_are_in_huge_pages(tiny_runner):
         pytest.skip("this kernel has no transparent huge pages (or no MADV_COLLAPSE)")
     largest = max(tiny_runner.streamed_arrays(), key=lambda leaf: leaf.nbytes)
     assert huge_kb_around(buffer_address(largest)) >= 2048
+
+
+def test_a_runner_warns_when_no_span_could_move(tiny_trained, monkeypatch, caplog):
+    """THP `never` (or a kernel without MADV_COLLAPSE) refuses every span: the user hears of it."""
+    from orca_jax.engine.step_plan import Buckets
+    from orca_jax.engine_args import config_from_keywords
+    from orca_jax.runner import model_runner
+    from orca_jax.runner.huge_pages import Collapsed
+
+    refused = Collapsed(spans=0, refused=4, reason="madvise: EINVAL (Invalid argument)")
+    monkeypatch.setattr(model_runner, "back_with_huge_pages", lambda arrays: refused)
+    settings = config_from_keywords(page_size=4, attention_impl="xla")
+    with caplog.at_level(logging.INFO, logger=model_runner.__name__):
+        model_runner.ModelRunner(tiny_trained.model, settings, num_pages=16, max_model_len=64,
+                                 buckets=Buckets(tokens=(16,), seqs=(4,)))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("4 spans left in 4 KB pages (madvise: EINVAL" in message for message in warnings), warnings
