@@ -1,17 +1,17 @@
 """A CPU stage's weights and KV pages backed by 2 MB pages (Linux's transparent huge pages).
 
 Every decode step streams all of the weights from memory. In 4 KB pages, a 100 MB model spans
-25,000 pages, many times what the TLB holds, so the stream takes a page walk every 4 KB, and in a
-virtual machine each walk goes through the host's tables too. With THP in its usual `madvise` mode,
-nothing large that XLA allocates gets 2 MB pages by itself. So once a stage's arrays are placed,
+25,000 pages, many times what the TLB holds, so the stream misses the TLB every 4 KB, and in a
+virtual machine each page walk goes through the host's tables too. With THP in its usual `madvise`
+mode, nothing that XLA allocates gets 2 MB pages by itself. So once a stage's arrays are placed,
 each 2 MB span their buffers touch is marked MADV_HUGEPAGE and collapsed at once with MADV_COLLAPSE
 (Linux 6.1). A span may hold other allocations too: they stay as they were, only now in a 2 MB
-page. Where the kernel cannot (no THP, an older kernel, no free 2 MB page) the memory stays in
+page. Where the kernel cannot (THP `never`, an older kernel, no free 2 MB page) the memory stays in
 4 KB pages, which is only slower; the result says how much was collapsed.
 
 Measured on an AMD EPYC Zen 4 (2 cores, a VM): a plain read of 256 MB went 21-22 -> 26-29 GB/s on
-one thread and 25 -> 30-33 GB/s on two; one request decoding the SmolLM2 Q4_K_M file went 123-138
--> 130-156 tok/s (rounds alternated, bench/results/HISTORY.md).
+one thread and 25 -> 30-33 GB/s on two; one request decoding the SmolLM2 Q4_K_M file, rounds
+alternated, 3-14% more tokens a second (bench/results/HISTORY.md).
 """
 
 from __future__ import annotations

@@ -174,8 +174,8 @@ class ModelRunner:
     def streamed_arrays(self) -> list[jax.Array]:
         """The arrays a step streams: this process's stages' parameters and KV pages, and a draft
         model's."""
-        arrays = [leaf for stage in self.stages if stage.local for leaf in (*stage.param_leaves,
-                                                                          *jax.tree.leaves(stage.kv_cache))]
+        arrays = [leaf for stage in self.stages if stage.local
+                  for leaf in (*stage.param_leaves, *jax.tree.leaves(stage.kv_cache))]
         drafter = self.programs.drafter
         return arrays + ([] if drafter is None else jax.tree.leaves((drafter.params, drafter.kv_cache)))
 

@@ -1,6 +1,7 @@
 """A CPU runner's weights and KV pages in 2 MB pages (runner/huge_pages.py)."""
 
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -17,7 +18,8 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 def thp_available() -> bool:
     """Whether this kernel may back memory with 2 MB pages at all (THP not `never`, MADV_COLLAPSE)."""
-    release = tuple(int(part) for part in Path("/proc/sys/kernel/osrelease").read_text().split(".")[:2])
+    major, minor = re.match(r"(\d+)\.(\d+)", Path("/proc/sys/kernel/osrelease").read_text()).groups()
+    release = (int(major), int(minor))
     return THP.exists() and "[never]" not in THP.read_text() and release >= (6, 1)
 
 
