@@ -1,11 +1,13 @@
-"""A CPU stage's weights and KV pages backed by 2 MB pages (Linux's transparent huge pages).
+"""A CPU runner's weights backed by 2 MB pages (Linux's transparent huge pages).
 
 Every decode step streams all of the weights from memory. In 4 KB pages, a 100 MB model spans
 25,000 pages, many times what the TLB holds, so the stream misses the TLB every 4 KB, and in a
 virtual machine each page walk goes through the host's tables too. With THP in its usual `madvise`
-mode, nothing that XLA allocates gets 2 MB pages by itself. So once a stage's arrays are placed,
-each 2 MB span their buffers touch is marked MADV_HUGEPAGE and collapsed at once with MADV_COLLAPSE
-(Linux 6.1). A span may hold other allocations too: they stay as they were, only now in a 2 MB
+mode, nothing that XLA allocates gets 2 MB pages by itself. So once the weights are placed, each
+2 MB span their buffers touch is marked MADV_HUGEPAGE and collapsed at once with MADV_COLLAPSE
+(Linux 6.1). The collapse copies into fresh 2 MB pages, which the kernel may first have to make by
+compacting memory: here the first GiB a process collapsed took about 6 s (a second, reusing freed
+2 MB pages, 0.3 s), so the KV pages, which a step reads only in part, are left as they are. A span may hold other allocations too: they stay as they were, only now in a 2 MB
 page. Where the kernel cannot (THP `never`, an older kernel, no free 2 MB page) the memory stays in
 4 KB pages, which is only slower; the result says how much was collapsed.
 

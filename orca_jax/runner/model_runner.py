@@ -156,11 +156,13 @@ class ModelRunner:
                 proposer, self.stages[-1], self.kv_layout, buckets, config.vocab_size, self.attention_impl,
                 self.kv_dtype, parallel.tensor_parallel_size, self.programs, self.layers_inputs, self.head_inputs)
         if platform == "cpu":  # every step streams the weights: in 2 MB pages (huge_pages.py)
-            collapsed = back_with_huge_pages(self.streamed_arrays())
+            start = time.perf_counter()
+            collapsed = back_with_huge_pages(self.weight_arrays())
             left = f"; {collapsed.refused} spans left in 4 KB pages ({collapsed.reason})" if collapsed.refused else ""
             # None moved: THP off (`never`) or a kernel before 6.1, which costs every step some speed.
             level = logging.WARNING if collapsed.refused and not collapsed.spans else logging.INFO
-            log.log(level, "weights and KV pages: %d MB moved into 2 MB pages%s", collapsed.megabytes, left)
+            log.log(level, "weights: %d MB moved into 2 MB pages in %.1f s%s", collapsed.megabytes,
+                    time.perf_counter() - start, left)
         if self.stages[0].mesh.devices.flat[0].process_index != 0:
             raise ConfigError("the leader (process 0) must hold the first pipeline stage: give every process the "
                               "same number of devices")
@@ -171,13 +173,13 @@ class ModelRunner:
         self._last_local_output = None
         self.stats = RunnerStats()
 
-    def streamed_arrays(self) -> list[jax.Array]:
-        """The arrays a step streams: this process's stages' parameters and KV pages, and a draft
-        model's."""
-        arrays = [leaf for stage in self.stages if stage.local
-                  for leaf in (*stage.param_leaves, *jax.tree.leaves(stage.kv_cache))]
+    def weight_arrays(self) -> list[jax.Array]:
+        """What every decode step reads whole: this process's stages' parameters and a draft model's.
+        (Not the KV pages: a step reads only its sequences' pages, and moving a default 1 GiB of
+        them into 2 MB pages took 6 s of start-up here.)"""
+        arrays = [leaf for stage in self.stages if stage.local for leaf in stage.param_leaves]
         drafter = self.programs.drafter
-        return arrays + ([] if drafter is None else jax.tree.leaves((drafter.params, drafter.kv_cache)))
+        return arrays + ([] if drafter is None else jax.tree.leaves(drafter.params))
 
     @property
     def executable_store(self) -> ExecutableStore:

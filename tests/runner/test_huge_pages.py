@@ -1,4 +1,4 @@
-"""A CPU runner's weights and KV pages in 2 MB pages (runner/huge_pages.py)."""
+"""A CPU runner's weights in 2 MB pages (runner/huge_pages.py)."""
 
 import logging
 import re
@@ -71,7 +71,7 @@ def test_an_arrays_buffer_is_collapsed_into_huge_pages():
 def test_a_cpu_runners_weights_are_in_huge_pages(tiny_runner):
     if not thp_available():
         pytest.skip("this kernel has no transparent huge pages (or no MADV_COLLAPSE)")
-    largest = max(tiny_runner.streamed_arrays(), key=lambda leaf: leaf.nbytes)
+    largest = max(tiny_runner.weight_arrays(), key=lambda leaf: leaf.nbytes)
     assert huge_kb_around(buffer_address(largest)) >= 2048
 
 
