@@ -73,8 +73,12 @@ def _buffers(arrays: Iterable[jax.Array]) -> list[tuple[int, int]]:
 def back_with_huge_pages(arrays: Iterable[jax.Array]) -> Collapsed:
     """Puts the 2 MB spans that the CPU buffers of `arrays` touch into huge pages (see the module's
     docstring); arrays on other devices are left alone. Linux only: elsewhere nothing is done."""
+    return collapse(_buffers(arrays))
+
+
+def collapse(buffers: list[tuple[int, int]]) -> Collapsed:
+    """Puts the 2 MB spans that the memory ranges (address, bytes) touch into huge pages."""
     done = Collapsed()
-    buffers = _buffers(arrays)
     if not buffers or not sys.platform.startswith("linux"):
         return done
     libc = ctypes.CDLL(None, use_errno=True)

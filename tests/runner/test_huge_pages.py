@@ -1,6 +1,8 @@
 """A CPU runner's weights in 2 MB pages (runner/huge_pages.py)."""
 
+import ctypes
 import logging
+import mmap
 import re
 import sys
 from pathlib import Path
@@ -9,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from orca_jax.runner.huge_pages import HUGE_PAGE, back_with_huge_pages
+from orca_jax.runner.huge_pages import HUGE_PAGE, back_with_huge_pages, collapse
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
 
@@ -40,32 +42,43 @@ def buffer_address(array) -> int:
     return array.addressable_shards[0].data.unsafe_buffer_pointer()
 
 
-def fresh_array():
-    """8 MB that XLA allocated, in a mapping with no huge page yet (one next to an earlier test's
-    collapsed memory could share its mapping's count)."""
-    kept = []
-    for _ in range(8):
-        array = jnp.arange(4 * HUGE_PAGE // 4, dtype=jnp.float32) + 1
-        array.block_until_ready()
-        if huge_kb_around(buffer_address(array) + array.nbytes // 2) == 0:
-            return array
-        kept.append(array)  # held, so that the next allocation goes elsewhere
-    raise AssertionError("every new 8 MB array landed in a mapping that already has huge pages")
+def own_mapping(size: int):
+    """`size` bytes of fresh private anonymous memory (as malloc's), written, in a mapping of their
+    own: inaccessible guard pages on both sides keep the kernel from merging it with a neighbour,
+    whose huge pages (an earlier test's) would count in its smaps entry. Returns (the mmap, the
+    memory's address)."""
+    region = mmap.mmap(-1, size + 2 * mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for guard in (base, base + mmap.PAGESIZE + size):
+        assert libc.mprotect(guard, mmap.PAGESIZE, 0) == 0  # PROT_NONE
+    np.frombuffer(region, np.uint8, size, mmap.PAGESIZE)[:] = np.arange(size, dtype=np.uint64).astype(np.uint8)
+    return region, base + mmap.PAGESIZE
 
 
-def test_an_arrays_buffer_is_collapsed_into_huge_pages():
-    array = fresh_array()
-    done = back_with_huge_pages([array])
-    middle = buffer_address(array) + array.nbytes // 2
+def test_a_buffers_spans_are_collapsed_into_huge_pages():
+    size = 4 * HUGE_PAGE  # 8 MB hold at least 3 whole 2 MB spans, however they are aligned
+    region, address = own_mapping(size)
+    done = collapse([(address, size)])
     if not thp_available():
         assert done.spans == 0 and done.refused and done.reason, done
         return
-    # 8 MB hold at least 3 whole 2 MB spans (the spans it shares with its neighbours may be refused:
-    # the kernel collapses a span only where it can take all of it)
+    # (the spans shared with the guard pages are refused: the kernel collapses a span only where it
+    # can take all of it)
     assert done.spans >= 3, done
-    assert huge_kb_around(middle) >= 2048
+    assert huge_kb_around(address + size // 2) >= 3 * 2048
     # The contents are the same bytes after the move to huge pages.
-    np.testing.assert_array_equal(np.asarray(array), np.arange(array.size, dtype=np.float32) + 1)
+    np.testing.assert_array_equal(np.frombuffer(region, np.uint8, size, mmap.PAGESIZE),
+                                  np.arange(size, dtype=np.uint64).astype(np.uint8))
+
+
+def test_an_xla_buffers_spans_are_collapsed():
+    array = jnp.arange(4 * HUGE_PAGE // 4, dtype=jnp.float32) + 1  # 8 MB that XLA allocated
+    done = back_with_huge_pages([array])
+    if thp_available():
+        assert done.spans >= 3, done
+        np.testing.assert_array_equal(np.asarray(array), np.arange(array.size, dtype=np.float32) + 1)
 
 
 def test_a_cpu_runners_weights_are_in_huge_pages(tiny_runner):
