@@ -7,9 +7,10 @@ mode, nothing that XLA allocates gets 2 MB pages by itself. So once the weights 
 2 MB span their buffers touch is marked MADV_HUGEPAGE and collapsed at once with MADV_COLLAPSE
 (Linux 6.1). The collapse copies into fresh 2 MB pages, which the kernel may first have to make by
 compacting memory: here the first GiB a process collapsed took about 6 s (a second, reusing freed
-2 MB pages, 0.3 s), so the KV pages, which a step reads only in part, are left as they are. A span may hold other allocations too: they stay as they were, only now in a 2 MB
-page. Where the kernel cannot (THP `never`, an older kernel, no free 2 MB page) the memory stays in
-4 KB pages, which is only slower; the result says how much was collapsed.
+2 MB pages, 0.3 s), so the KV pages, which a step reads only in part, are left as they are. A span
+may hold other allocations too: they stay as they were, only now in a 2 MB page. Where the kernel
+cannot (THP `never`, an older kernel, no free 2 MB page) the memory stays in 4 KB pages, which is
+only slower; the result says how much was collapsed.
 
 Measured on an AMD EPYC Zen 4 (2 cores, a VM): a plain read of 256 MB went 21-22 -> 26-29 GB/s on
 one thread and 25 -> 30-33 GB/s on two; one request decoding the SmolLM2 Q4_K_M file, rounds
