@@ -10,7 +10,10 @@
 #      concurrency: `-np N -cb` against `--max-num-seqs N` (SERVING=0 skips it).
 # WITH_F32=0 skips the float32 pair (its figures do not depend on the GGUF file's block types).
 # One thread per core for llama-server, as orca_jax uses. Prints the CPU model, the file's block types
-# and the variant the native kernels run ($ORCA_JAX_NATIVE_ISA=avx2 forces the AVX2 one for orca_jax).
+# and the variant the native kernels run. ORCA_JAX_NATIVE_ISA=avx2 stands in for an AVX2-only CPU on an
+# AVX-512 one, on both sides: orca_jax's native kernels run their AVX2 variant, XLA's own code stops at
+# AVX2 (--xla_cpu_max_isa=AVX2), and llama-server is a build of llama.cpp without AVX-512
+# (LLAMA_CPP_ISA=avx2 bench/llama_cpp.sh).
 #
 #   bench/compare_llama_cpp.sh [N] [FILE.gguf]   # default 16 and SmolLM2's Q4_1 file; from the repository
 #                                                # root, on a quiet machine
@@ -31,6 +34,12 @@ SERVING=${SERVING:-1}
 WITH_F32=${WITH_F32:-1}
 PY=.venv/bin/python
 BENCH=(.venv/bin/orca-jax bench serving --rates inf --max-concurrency "$N" --workload throughput --num-requests 64)
+LLAMA_CPP_ISA=native
+if [ "${ORCA_JAX_NATIVE_ISA:-}" = avx2 ]; then
+    LLAMA_CPP_ISA=avx2
+    export XLA_FLAGS="${XLA_FLAGS:-} --xla_cpu_max_isa=AVX2"
+fi
+export LLAMA_CPP_ISA
 readarray -t BUILT < <(bench/llama_cpp.sh)
 LLAMA_SERVER=${BUILT[0]}
 if [ -z "$FILE" ]; then
@@ -46,7 +55,7 @@ else
     [ -f "$MODEL/model.toml" ] || PYTHONPATH=$PWD .venv/bin/orca-jax convert "$GGUF" --name "$STEM" --out "$MODEL" >&2
     [ -f "$F32" ] || "$(dirname "$LLAMA_SERVER")/llama-quantize" --allow-requantize "$GGUF" "$F32" F32 >&2
 fi
-echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(nproc) cores"
+echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(nproc) cores; llama-server: $LLAMA_SERVER ($LLAMA_CPP_ISA build); XLA_FLAGS: ${XLA_FLAGS:-none}"
 echo "file: $GGUF ($LABEL); tensors by type: $($PY -c 'import collections, sys, gguf
 r = gguf.GGUFReader(sys.argv[1])
 print(", ".join(f"{n} {t}" for t, n in collections.Counter(t.tensor_type.name for t in r.tensors).most_common()))' "$GGUF")"
@@ -92,7 +101,9 @@ for orca, llama in pairs:
     mine, theirs = single["quantization"][orca]["best_tok_s"], max(llama_single[llama])
     print(f"  orca_jax {orca:4s} {mine:6.1f}   llama-server {llama.upper():6s} {theirs:6.1f}   {mine / theirs:.2f}x")
 combined = {"bench": "vs_llama_cpp", "machine": machine.describe(), "concurrency": int(os.environ["N"]),
-            "gguf_file": os.environ["GGUF"], "forced_native_isa": os.environ.get("ORCA_JAX_NATIVE_ISA"), "single_stream": single, "llama_server_single_stream_tok_s": llama_single}
+            "gguf_file": os.environ["GGUF"], "forced_native_isa": os.environ.get("ORCA_JAX_NATIVE_ISA"),
+            "llama_cpp_isa": os.environ["LLAMA_CPP_ISA"], "xla_flags": os.environ.get("XLA_FLAGS"),
+            "single_stream": single, "llama_server_single_stream_tok_s": llama_single}
 if os.environ["SERVING"] != "0":
     rows = {}
     names = (("orca_jax_gguf", f"orca_jax {label.upper()}"), (label, f"llama-server {label.upper()}"))

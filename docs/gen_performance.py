@@ -268,6 +268,8 @@ def heading(bench: str, d: dict) -> str:
     if bench != "vs_llama_cpp":
         return d["machine"]["cpu"]
     forced = f", native kernels forced to `{d['forced_native_isa']}`" if d.get("forced_native_isa") else ""
+    if d.get("llama_cpp_isa") == "avx2":  # compare_llama_cpp.sh's stand-in for an AVX2-only CPU
+        forced = ", an AVX2-only CPU emulated (our kernels, XLA's code and llama.cpp's build all stop at AVX2)"
     return f"{d['machine']['cpu']}, {weights_label(d).upper()}{forced}"
 
 

@@ -83,3 +83,7 @@ def test_a_run_of_another_gguf_file_gets_its_own_rows_and_stays_out_of_readme(tm
     (tmp_path / "latest" / "vs_llama_cpp_zen4_avx2.json").write_text(json.dumps(forced))
     assert gen_performance.heading("vs_llama_cpp", forced).endswith(", Q4_1, native kernels forced to `avx2`")
     assert "forced" not in gen_performance.headline()
+    # compare_llama_cpp.sh's AVX2-only stand-in (llama.cpp built without AVX-512 too) says so.
+    emulated = {**forced, "llama_cpp_isa": "avx2", "xla_flags": " --xla_cpu_max_isa=AVX2"}
+    assert gen_performance.heading("vs_llama_cpp", emulated).endswith(", Q4_1, an AVX2-only CPU emulated (our kernels, "
+                                                                      "XLA's code and llama.cpp's build all stop at AVX2)")
