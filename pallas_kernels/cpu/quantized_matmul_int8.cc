@@ -63,7 +63,7 @@ constexpr int64_t kTokensQuantizedInParallel = 64;
 // The kernel, once per instruction set, numbered as pallas_kernels/native.py's ISAS.
 #if defined(__x86_64__)
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c,prefer-vector-width=512")
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512vnni,avx2,bmi2,fma,f16c,prefer-vector-width=512")
 namespace avx512vnni {
 #define ORCA_Q8_ISA 0
 #include "quantized_matmul_int8_kernel.inc"
@@ -71,7 +71,7 @@ namespace avx512vnni {
 }  // namespace avx512vnni
 #pragma GCC pop_options
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c,prefer-vector-width=512")
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,bmi2,fma,f16c,prefer-vector-width=512")
 namespace avx512 {
 #define ORCA_Q8_ISA 1
 #include "quantized_matmul_int8_kernel.inc"

@@ -111,8 +111,10 @@ constexpr int kNumIsas = 5;
 bool cpu_has([[maybe_unused]] Isa isa) {
 #if defined(__x86_64__)
   __builtin_cpu_init();
+  // BMI2 (pext, in the int8 matmul's Q5 unpacking) comes with every CPU that has AVX-512 BW.
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+                      __builtin_cpu_supports("bmi2");
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (isa == Isa::kAvx512Vnni) return avx512 && __builtin_cpu_supports("avx512vnni");
   if (isa == Isa::kAvx512) return avx512;
