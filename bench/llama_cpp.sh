@@ -32,7 +32,11 @@ SRC="$BUILD_DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
 # CPU flags: -march=native, except on hosts with AMX (amx_tile in /proc/cpuinfo): there ggml's AMX
 # path crashed, so build without -march=native and switch the AVX-512 families on by hand instead.
 CMAKE_DIR="$BUILD_DIR/cmake"
-if [ "${LLAMA_CPP_ISA:-native}" = avx2 ]; then
+case "${LLAMA_CPP_ISA:=native}" in
+    native|avx2) ;;
+    *) echo "LLAMA_CPP_ISA=$LLAMA_CPP_ISA: expected native (this CPU's best) or avx2" >&2; exit 2 ;;
+esac
+if [ "$LLAMA_CPP_ISA" = avx2 ]; then
     CMAKE_DIR="$BUILD_DIR/cmake-avx2"
     CPU_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
                -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
