@@ -4,8 +4,9 @@
 # against llama-server on that GGUF, and orca_jax float32 against llama-server on its F32 copy (the
 # same weights dequantized).
 #   1. one request (single stream): decode tok/s of 128 greedy tokens after the same ~80-token prompt
-#      (bench/bench_single_stream.py; llama-server's own `timings.predicted_per_second`), three runs
-#      each, alternated (ours, theirs, ours, ...): a slow spell of the machine meets both sides;
+#      (bench/bench_single_stream.py; llama-server's own `timings.predicted_per_second`), RUNS runs
+#      each (default 3), alternated (ours, theirs, ours, ...): a slow spell of the machine meets both
+#      sides. Printed: best against best, and the median of the pairs' own ratios;
 #   2. the throughput workload (64 requests, prompts 100-300, outputs 8-256, all at once) at equal
 #      concurrency: `-np N -cb` against `--max-num-seqs N` (SERVING=0 skips it).
 # WITH_F32=0 skips the float32 pair (its figures do not depend on the GGUF file's block types).
@@ -31,6 +32,7 @@ set -euo pipefail
 N=${1:-16}
 FILE=${2:-}
 SERVING=${SERVING:-1}
+RUNS=${RUNS:-3}
 WITH_F32=${WITH_F32:-1}
 PY=.venv/bin/python
 BENCH=(.venv/bin/orca-jax bench serving --rates inf --max-concurrency "$N" --workload throughput --num-requests 64)
@@ -70,7 +72,7 @@ for weights in "${PAIRS[@]}"; do
     "$LLAMA_SERVER" -m "$gguf" -np "$N" -cb -c $((N * 1024)) -t "$(nproc)" --port 8089 >/dev/null 2>&1 &
     server=$!
     until curl -sf http://127.0.0.1:8089/health >/dev/null; do sleep 1; done
-    PYTHONPATH=$PWD $PY bench/bench_single_stream.py --model "$MODEL" --quantization "$quantization" --runs 3 \
+    PYTHONPATH=$PWD $PY bench/bench_single_stream.py --model "$MODEL" --quantization "$quantization" --runs "$RUNS" \
         --llama-server http://127.0.0.1:8089 --out "bench/results/vs_llama_cpp_single_stream_${quantization}_new.json"
     if [ "$SERVING" != 0 ]; then
         "${BENCH[@]}" --model "$MODEL" --policies chunked --max-num-seqs "$N" --quantization "$quantization" \
@@ -83,6 +85,7 @@ done
 N="$N" LABEL="$LABEL" GGUF="$GGUF" SERVING="$SERVING" WITH_F32="$WITH_F32" PYTHONPATH=$PWD $PY - <<'PY'
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 sys.path.insert(0, "bench")
@@ -96,10 +99,13 @@ single = json.loads((R / "vs_llama_cpp_single_stream_gguf_new.json").read_text()
 if with_f32:
     single["quantization"].update(json.loads((R / "vs_llama_cpp_single_stream_none_new.json").read_text())["quantization"])
 llama_single = {llama: [run["llama_server_tok_s"] for run in single["quantization"][orca]["runs"]] for orca, llama in pairs}
-print(f"\none request, decode tok/s (best of 3, alternated), native kernels: {single['native_isa']}")
+print(f"\none request, decode tok/s (best runs, alternated), native kernels: {single['native_isa']}")
 for orca, llama in pairs:
+    runs = single["quantization"][orca]["runs"]
     mine, theirs = single["quantization"][orca]["best_tok_s"], max(llama_single[llama])
-    print(f"  orca_jax {orca:4s} {mine:6.1f}   llama-server {llama.upper():6s} {theirs:6.1f}   {mine / theirs:.2f}x")
+    ratios = [run["decode_tok_s"] / run["llama_server_tok_s"] for run in runs]
+    print(f"  orca_jax {orca:4s} {mine:6.1f}   llama-server {llama.upper():6s} {theirs:6.1f}   {mine / theirs:.2f}x; "
+          f"pair by pair {' '.join(f'{r:.2f}' for r in ratios)}, median {statistics.median(ratios):.2f}x")
 combined = {"bench": "vs_llama_cpp", "machine": machine.describe(), "concurrency": int(os.environ["N"]),
             "gguf_file": os.environ["GGUF"], "forced_native_isa": os.environ.get("ORCA_JAX_NATIVE_ISA"),
             "llama_cpp_isa": os.environ["LLAMA_CPP_ISA"], "xla_flags": os.environ.get("XLA_FLAGS"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Callable
@@ -47,6 +48,14 @@ def weights_label(d: dict) -> str:
     return labels[0]
 
 
+def pairs_note(runs: list[dict]) -> str:
+    """The median of the one-request runs' own ratios (each of our runs against llama-server's run right
+    after it), beside the best-against-best ratio: on a noisy machine the best runs of two sides may
+    come from different moments. Empty for runs from before the two sides alternated."""
+    ratios = sorted(r["decode_tok_s"] / r["llama_server_tok_s"] for r in runs if "llama_server_tok_s" in r)
+    return f" (median of {len(ratios)} alternated pairs: {statistics.median(ratios):.2f}x)" if ratios else ""
+
+
 def vs_llama_cpp(d: dict) -> list[str]:
     single, llama, n = d["single_stream"], d["llama_server_single_stream_tok_s"], d["concurrency"]
     label = weights_label(d)
@@ -55,12 +64,12 @@ def vs_llama_cpp(d: dict) -> list[str]:
     gguf = single["quantization"]["gguf"]
     q_ours, q_theirs = gguf["best_tok_s"], max(llama[label])
     rows = [[f"one request, {label.upper()} (`--quantization gguf`), decode tok/s", f"{q_ours:.1f}", f"{q_theirs:.1f}",
-             x(q_ours / q_theirs)]]
+             x(q_ours / q_theirs) + pairs_note(gguf["runs"])]]
     if f32:
         f32_ours, f32_theirs = f32["best_tok_s"], max(llama["f32"])
         rows.append(["one request, float32 / F32, decode tok/s",
                      f"{f32_ours:.1f} ({f32['fraction_of_limit']:.0%} of its memory-speed limit)", f"{f32_theirs:.1f}",
-                     x(f32_ours / f32_theirs)])
+                     x(f32_ours / f32_theirs) + pairs_note(f32["runs"])])
     if "serving" in d:  # compare_llama_cpp.sh with SERVING=0 runs one request only
         many = {k: v["output_throughput"] for k, v in d["serving"].items()}
         rows.append([f"64 requests at {n} in flight, {label.upper()}, generated tok/s", f"{many[f'orca_jax_{label}']:.1f}",
@@ -198,7 +207,8 @@ def startup(d: dict) -> list[str]:
 BENCHES: dict[str, tuple[str, str, Callable[[dict], list[str]]]] = {
     "vs_llama_cpp": ("Against llama.cpp", "orca_jax and llama.cpp's `llama-server` on the same GGUF file (the default "
                      "model's Q4_1 blocks, and its float32 copy) on one machine: one request alone (best of 3 "
-                     "runs each, ours and llama-server's alternated since 2026-12-05), and 64 requests of the "
+                     "runs each, ours and llama-server's alternated since 2026-12-05; beside it, the median of "
+                     "each run's ratio to llama-server's run right after it), and 64 requests of the "
                      "`throughput` workload at equal concurrency. "
                      "`bench/compare_llama_cpp.sh`.", vs_llama_cpp),
     "single_stream": ("One request", "Decode speed of one greedy request per weight format, against the weights' "

@@ -87,3 +87,24 @@ def test_a_run_of_another_gguf_file_gets_its_own_rows_and_stays_out_of_readme(tm
     emulated = {**forced, "llama_cpp_isa": "avx2", "xla_flags": " --xla_cpu_max_isa=AVX2"}
     assert gen_performance.heading("vs_llama_cpp", emulated).endswith(", Q4_1, an AVX2-only CPU emulated (our kernels, "
                                                                       "XLA's code and llama.cpp's build all stop at AVX2)")
+
+
+def test_one_request_ratio_carries_the_median_of_its_alternated_pairs():
+    """Best against best can pair a quiet moment of ours with a slow one of llama-server's: the row
+    also gives the median of each run's ratio to llama-server's run right after it, and none for
+    runs from before the two sides alternated (no llama-server figure in the run)."""
+    import sys
+
+    sys.path.insert(0, str(REPO_ROOT / "docs"))
+    import gen_performance
+
+    runs = [{"decode_tok_s": 120.0, "llama_server_tok_s": 100.0},   # 1.20
+            {"decode_tok_s": 150.0, "llama_server_tok_s": 150.0},   # 1.00: the best of ours beside theirs
+            {"decode_tok_s": 110.0, "llama_server_tok_s": 100.0}]   # 1.10
+    d = {"single_stream": {"quantization": {"gguf": {"best_tok_s": 150.0, "runs": runs}}},
+         "llama_server_single_stream_tok_s": {"q4_1": [100.0, 150.0, 100.0]}, "concurrency": 16}
+    row = gen_performance.vs_llama_cpp(d)[2]
+    assert "**1.00x** (median of 3 alternated pairs: 1.10x)" in row, row
+    for run in runs:
+        del run["llama_server_tok_s"]
+    assert gen_performance.vs_llama_cpp(d)[2].rstrip(" |").endswith("**1.00x**")
