@@ -27,6 +27,7 @@ import gguf
 import numpy as np
 
 from orca_jax.checkpoint.gguf_pre_tokenizers import IGNORE_MERGES, PRE_TOKENIZERS
+from orca_jax.checkpoint.gguf_reader import GGUFReader
 from orca_jax.checkpoint.hf_families import split_fused_phi3
 from orca_jax.checkpoint.layout import ImportedModel, Part, names_by_part
 from orca_jax.config import ModelConfig
@@ -62,7 +63,7 @@ def unpermute_llama_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def open_gguf(path: str | Path, name: str) -> ImportedModel:
     """The model in the GGUF file at `path`, its tensors read a layer at a time (`ImportedModel.read_part`)."""
-    reader = gguf.GGUFReader(str(path))
+    reader = GGUFReader(str(path))
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFImportError(

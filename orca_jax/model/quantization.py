@@ -179,15 +179,14 @@ def _quantize_int8(name: str, path: str, module: Dense | Embed, weights: jax.Arr
 
 
 def _serve_gguf_blocks(model: Decoder, path: Path, quantized: _Quantized, method_of) -> None:
-    import gguf
-
     from orca_jax.checkpoint.gguf_import import unpermute_llama_qk
+    from orca_jax.checkpoint.gguf_reader import GGUFReader
 
     if not path.is_file():
         raise ConfigError(f"quantization='gguf' needs the GGUF file the checkpoint was imported from at {path}; "
                           f"checkpoints pulled or converted before it was kept lack it: run `orca-jax pull --force "
                           f"{model.config.name}` (or `orca-jax convert <file.gguf> --name {model.config.name}`)")
-    reader = gguf.GGUFReader(str(path))
+    reader = GGUFReader(str(path))
     arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
     if arch != "llama":
         raise ConfigError(f"quantization='gguf' serves llama-architecture GGUFs (their tensors map one to one onto "

@@ -27,6 +27,7 @@ import transformers
 from transformers.tokenization_utils_base import generate_merges
 
 from orca_jax.checkpoint.gguf_import import GGUFImportError, gguf_tokenizer
+from orca_jax.checkpoint.gguf_reader import GGUFReader
 from orca_jax.checkpoint.store import load_model
 from orca_jax.cli import main
 from orca_jax.config import load_model_preset
@@ -197,7 +198,7 @@ def transformers_gguf_tokenizer(path):
 @pytest.fixture(scope="session")
 def tokenizers(spm_files):
     """{name: (ours, transformers')}."""
-    return {name: (gguf_tokenizer(gguf.GGUFReader(path), path), transformers_gguf_tokenizer(path))
+    return {name: (gguf_tokenizer(GGUFReader(path), path), transformers_gguf_tokenizer(path))
             for name, (path, _) in spm_files.items()}
 
 
@@ -338,7 +339,7 @@ def test_an_unknown_tokenizer_kind_is_refused_naming_it(spm_files, tmp_path, cap
     rwkv = write_sentencepiece_gguf(tmp_path / "rwkv.gguf", sp, LLAMA, tokenizer_model="rwkv")
     with pytest.raises(GGUFImportError, match=r"tokenizer.ggml.model='rwkv' is not supported; "
                                               r"supported: \['gpt2', 'llama'\]"):
-        gguf_tokenizer(gguf.GGUFReader(rwkv), rwkv)
+        gguf_tokenizer(GGUFReader(rwkv), rwkv)
     config = dataclasses.replace(load_model_preset("tiny"), vocab_size=LLAMA["padded_vocab"])
     bert = write_sentencepiece_gguf(tmp_path / "bert.gguf", sp, LLAMA, tokenizer_model="bert",
                                     model=(config, init_decoder(config, seed=2)))

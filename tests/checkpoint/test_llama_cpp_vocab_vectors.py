@@ -21,10 +21,10 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-import gguf
 import pytest
 
 from orca_jax.checkpoint.gguf_import import GGUFImportError, gguf_tokenizer
+from orca_jax.checkpoint.gguf_reader import GGUFReader
 from orca_jax.config import REPO_ROOT
 from orca_jax.paths import data_home
 
@@ -108,7 +108,7 @@ def _vectors(vocab_dir: Path, name: str) -> list[tuple[str, list[int]]]:
 
 def _tokenizer(vocab_dir: Path, name: str):
     path = vocab_dir / f"ggml-vocab-{name}.gguf"
-    return gguf_tokenizer(gguf.GGUFReader(path), path)
+    return gguf_tokenizer(GGUFReader(path), path)  # the reader `orca-jax convert` uses
 
 
 @pytest.mark.parametrize("name", MATCHED)
