@@ -52,7 +52,7 @@ def pairs_note(runs: list[dict]) -> str:
     """The median of the one-request runs' own ratios (each of our runs against llama-server's run right
     after it), beside the best-against-best ratio: on a noisy machine the best runs of two sides may
     come from different moments. Empty for runs from before the two sides alternated."""
-    ratios = sorted(r["decode_tok_s"] / r["llama_server_tok_s"] for r in runs if "llama_server_tok_s" in r)
+    ratios = [r["decode_tok_s"] / r["llama_server_tok_s"] for r in runs if "llama_server_tok_s" in r]
     return f" (median of {len(ratios)} alternated pairs: {statistics.median(ratios):.2f}x)" if ratios else ""
 
 

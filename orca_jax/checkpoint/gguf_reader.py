@@ -7,7 +7,9 @@ gguf` opens the file at every start. This reader reads an array of numbers as on
 of strings in one pass over their lengths, and hands out fields of gguf's own shape: one part per
 element, `data` indexing each, so `ReaderField.contents()` (whole, or one element) gives what gguf's
 fields give. The tensors are gguf's own. Arrays of arrays, empty arrays and byte-swapped files take
-gguf's own path.
+gguf's own path. It overrides one internal method of gguf's reader (`_get_field_parts`), so
+tests/checkpoint/test_gguf_reader.py holds every field to gguf's own reader: a gguf release that
+changes that method fails there.
 """
 
 from __future__ import annotations
