@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The whole GPU run, about 5 minutes: install the wheels that travelled (if any), record the machine
+# The whole GPU run, about 6 minutes: install the wheels that travelled (if any), record the machine
 # (nvidia-smi, jax's devices, package versions), run the `gpu` tests, then bench/gpu_check.py's
-# kernels and engine sections. Each section runs under its own time limit, and everything is written
+# kernels and engine sections, and last the Pallas block sizes' sweep (bench/gpu_block_sweep.py). Each section runs under its own time limit, and everything is written
 # into OUTDIR as it goes, so a run killed at any point keeps what it had measured:
 #   run.log                  every section's output, then one line per section (ok / failed / timed out)
 #   tests.xml                the gpu tests' JUnit report (run.log has their -v lines if it was cut short)
 #   gpu_check_kernels.json   kernels against the reference and XLA, rewritten after each case
 #   gpu_check_engine.json    the engine on Llama-3-8B-shaped random weights, rewritten after each batch size
+#   gpu_block_sweep.json     each block-size candidate's time and error, rewritten after each candidate
 #
 # Through the device tool (nvidia-h200), after `bench/gpu_wheels.sh` here (optional: gguf and
 # llguidance, which the image lacks and the run does not need):
@@ -16,7 +17,7 @@
 #   bench/gpu_run.sh OUTDIR            # on a GPU machine
 #   bench/gpu_run.sh --smoke OUTDIR    # here, on CPU (`make gpu-dry-run`): tiny shapes, and the packages
 #                                      # the image lacks made unimportable (bench/gpu_image)
-# Time limits in seconds: SETUP_S, TESTS_S, KERNELS_S, ENGINE_S (defaults below); PYTHON (python3).
+# Time limits in seconds: SETUP_S, TESTS_S, KERNELS_S, ENGINE_S, SWEEP_S (defaults below); PYTHON (python3).
 set -uo pipefail  # no -e: a failing section is a finding, the next one still runs
 
 SMOKE=0
@@ -34,6 +35,7 @@ SETUP_S=${SETUP_S:-30}  # each of wheels, nvidia-smi, jax: under 6.5 minutes at 
 TESTS_S=${TESTS_S:-120}
 KERNELS_S=${KERNELS_S:-45}
 ENGINE_S=${ENGINE_S:-120}
+SWEEP_S=${SWEEP_S:-90}  # the sweep starts no candidate after SWEEP_S - 30 s (a backend's start, a last compile)
 LOG="$OUT/run.log"
 SITE=/tmp/orca_jax_gpu_wheels  # where travelling wheels are installed (the image's packages stay as they are)
 export PYTHONUNBUFFERED=1
@@ -122,7 +124,11 @@ for name in kernels engine; do
         --out "$OUT/gpu_check_$name.json"
 done
 
-log "=== summary (run.log, tests.xml, gpu_check_kernels.json, gpu_check_engine.json in $OUT)"
+# Last, as it is the least needed: the block sizes' sweep, as many candidates as its budget allows.
+section sweep "$SWEEP_S" "$PYTHON" bench/gpu_block_sweep.py "${CHECK_ARGS[@]}" --budget-s $((SWEEP_S - 30)) \
+    --out "$OUT/gpu_block_sweep.json"
+
+log "=== summary (run.log, tests.xml, gpu_check_kernels.json, gpu_check_engine.json, gpu_block_sweep.json in $OUT)"
 for line in "${SUMMARY[@]}"; do log "$line"; done
 log "$SECONDS s in all"
 exit "$FAILED"

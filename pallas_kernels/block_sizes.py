@@ -8,10 +8,10 @@ call. Each has its own Triton knobs: `num_warps` (threads per program / 32) and 
 shared memory, page_size x head_dim x bytes x 2 (K and V) per stage).
 
 Defaults per (head_dim, page_size, dtype), `DEFAULTS` below. They are NOT yet tuned on a GPU (no
-GPU has run this code; bench/gpu_check.py times them): the reasoning is that decode is bound by
-reading pages, so small pages (16 tokens: 2-4 KiB per load) get deeper pipelines than 32-token
-pages, float32 (twice the bytes per stage) gets shallower ones, and head_dim 128 gets 8 warps for
-its wider tiles.
+GPU has run this code; bench/gpu_check.py times them, bench/gpu_block_sweep.py sweeps them and
+prints the rows to put here): the reasoning is that decode is bound by reading pages, so small
+pages (16 tokens: 2-4 KiB per load) get deeper pipelines than 32-token pages, float32 (twice the
+bytes per stage) gets shallower ones, and head_dim 128 gets 8 warps for its wider tiles.
 
 | head_dim | page | dtype | block_q | warps | stages | decode warps | decode stages |
 |---|---|---|---|---|---|---|---|

@@ -19,7 +19,7 @@ def test_the_gpu_run_completes_on_cpu_without_the_optional_packages(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     log = (tmp_path / "run.log").read_text()
     assert done.stdout.strip().endswith(log.strip().splitlines()[-1])  # the log holds what was printed
-    for name in ("jax", "tests", "kernels", "engine"):  # the summary: each section ran and succeeded
+    for name in ("jax", "tests", "kernels", "engine", "sweep"):  # the summary: each section ran and succeeded
         assert re.search(rf"^{name} +ok +\d+ s$", log, re.MULTILINE), (name, log[-1500:])
     for name in ("gguf", "llguidance"):  # as on the image
         assert f"{name}: cannot be imported" in log, log[:3000]
@@ -48,3 +48,27 @@ def test_the_gpu_run_completes_on_cpu_without_the_optional_packages(tmp_path):
         assert row["bytes_per_step"] > info["weight_bytes"]  # weights plus the KV read
         assert 0 < row["mbu"] < 1.5, row  # of a measured copy's speed: a wrong byte count shows here
     assert "| engine | tiny-dummy B=4 |" in log
+
+    sweep = json.loads((tmp_path / "gpu_block_sweep.json").read_text())
+    assert sweep["smoke"] and {row["kernel"] for row in sweep["rows"]} == {"decode", "query_block"}
+    for row in sweep["rows"]:  # every candidate ran and agrees with the reference (a knob that broke it shows)
+        assert "failed" not in row and row["max_abs_error"] < 1e-5 and row["ms"] > 0, row
+    assert re.search(r"^DEFAULTS row: \(16, 16, 4, ", log, re.MULTILINE), log[-1500:]
+
+
+def test_every_block_size_the_sweep_tries_lowers_for_cuda():
+    """GPU time is scarce: each candidate of gpu_block_sweep.py's grids (from a shape's defaults) goes
+    through the whole Pallas -> Triton lowering here, with a grid of its own block_q."""
+    import jax.numpy as jnp
+
+    from gpu_block_sweep import DECODE, PREFILL, candidates
+    from pallas_kernels import default_block_sizes
+    from tests.pallas_kernels.test_gpu_export import export_for_cuda, triton_kernels
+
+    default = default_block_sizes(128, 16, jnp.bfloat16)
+    tried = candidates(default, DECODE) + candidates(default, PREFILL)[1:]
+    assert len(set(tried)) == 9 + 18 - 1  # the two grids, the default (in both) once
+    for block_sizes in tried:
+        kernels = triton_kernels(export_for_cuda(128, 16, 32, 8, 128, 16, jnp.bfloat16, block_sizes=block_sizes))
+        assert kernels == {"ragged_paged_attention_decode": (16, 8),
+                           "ragged_paged_attention": (128 // block_sizes.block_q, 8)}, block_sizes
