@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole GPU run, about 6 minutes: install the wheels that travelled (if any), record the machine
 # (nvidia-smi, jax's devices, package versions), run the `gpu` tests, then bench/gpu_check.py's
-# kernels and engine sections, and last the Pallas block sizes' sweep (bench/gpu_block_sweep.py). Each section runs under its own time limit, and everything is written
-# into OUTDIR as it goes, so a run killed at any point keeps what it had measured:
+# kernels and engine sections, and last the Pallas block sizes' sweep (bench/gpu_block_sweep.py).
+# Each section runs under its own time limit, and everything is written into OUTDIR as it goes, so a
+# run killed at any point keeps what it had measured:
 #   run.log                  every section's output, then one line per section (ok / failed / timed out)
 #   tests.xml                the gpu tests' JUnit report (run.log has their -v lines if it was cut short)
 #   gpu_check_kernels.json   kernels against the reference and XLA, rewritten after each case
@@ -11,8 +12,9 @@
 #
 # Through the device tool (nvidia-h200), after `bench/gpu_wheels.sh` here (optional: gguf and
 # llguidance, which the image lacks and the run does not need):
-#   run(command="bash bench/gpu_run.sh $OUT", carry=["gpu_wheels"], timeout_s=420)
-# then keep the files it brings back in bench/results/.
+#   run(command="bash bench/gpu_run.sh $OUT", carry=["gpu_wheels"], timeout_s=480)
+# then keep the files it brings back in bench/results/. A second call after a fix can skip the sweep
+# (command="SWEEP_S=0 bash bench/gpu_run.sh $OUT": about 90 s less).
 #
 #   bench/gpu_run.sh OUTDIR            # on a GPU machine
 #   bench/gpu_run.sh --smoke OUTDIR    # here, on CPU (`make gpu-dry-run`): tiny shapes, and the packages
@@ -31,7 +33,7 @@ cd "$(dirname "$0")/.." || exit 2
 REPO=$(pwd)
 
 PYTHON=${PYTHON:-python3}
-SETUP_S=${SETUP_S:-30}  # each of wheels, nvidia-smi, jax: under 6.5 minutes at worst, about 5 expected
+SETUP_S=${SETUP_S:-30}  # each of wheels, nvidia-smi, jax: under 8 minutes at worst, about 6 expected
 TESTS_S=${TESTS_S:-120}
 KERNELS_S=${KERNELS_S:-45}
 ENGINE_S=${ENGINE_S:-120}
@@ -125,8 +127,12 @@ for name in kernels engine; do
 done
 
 # Last, as it is the least needed: the block sizes' sweep, as many candidates as its budget allows.
-section sweep "$SWEEP_S" "$PYTHON" bench/gpu_block_sweep.py "${CHECK_ARGS[@]}" --budget-s $((SWEEP_S - 30)) \
-    --out "$OUT/gpu_block_sweep.json"
+if [ "$SWEEP_S" -gt 30 ]; then
+    section sweep "$SWEEP_S" "$PYTHON" bench/gpu_block_sweep.py "${CHECK_ARGS[@]}" --budget-s $((SWEEP_S - 30)) \
+        --out "$OUT/gpu_block_sweep.json"
+else
+    log "sweep: skipped (SWEEP_S=$SWEEP_S)"
+fi
 
 log "=== summary (run.log, tests.xml, gpu_check_kernels.json, gpu_check_engine.json, gpu_block_sweep.json in $OUT)"
 for line in "${SUMMARY[@]}"; do log "$line"; done
