@@ -59,11 +59,12 @@ def sweep(shapes, heads_of, grids: dict, sizes: gpu_check.Sizes, on_gpu: bool, b
             with jax.default_matmul_precision("highest"):  # the oracle in full float32
                 want = np.asarray(jax.jit(lambda *a: ragged_paged_attention_reference(*a, sm_scale=scale))(*args),
                                   np.float32)
-            for block_sizes in candidates(default_block_sizes(head_dim, page_size, dtype), grids[kernel]):
+            default = default_block_sizes(head_dim, page_size, dtype)
+            for block_sizes in candidates(default, grids[kernel]):
                 if time.perf_counter() - start > budget_s:
                     return
                 row = {"kernel": kernel, "head_dim": head_dim, "page_size": page_size, "dtype": jnp.dtype(dtype).name,
-                       "block_sizes": dataclasses.asdict(block_sizes)}
+                       "block_sizes": dataclasses.asdict(block_sizes), "default": block_sizes == default}
                 fn = jax.jit(lambda *a, b=block_sizes: ragged_paged_attention(*a, sm_scale=scale, block_sizes=b,
                                                                                interpret=not on_gpu))
                 try:
@@ -79,19 +80,22 @@ def summary(rows: list) -> list[str]:
     """Per (shape, kernel): the default's time and the fastest candidate's; the DEFAULTS row where both
     kernels were swept (pallas_kernels/block_sizes.py: head_dim, page, bytes, warps, stages, decode
     warps, decode stages; block_q alongside)."""
-    lines, best = [], {}
+    lines, best, default_ms = [], {}, {}
     for row in rows:
         key = (row["head_dim"], row["page_size"], row["dtype"], row["kernel"])
         if "ms" in row:
-            if key not in best:
-                best[key] = {"default_ms": row["ms"], "best": row}  # each sweep's first row is the default
-            elif row["ms"] < best[key]["best"]["ms"]:
-                best[key]["best"] = row
-    for (head_dim, page, dtype, kernel), found in best.items():
+            if row["default"]:
+                default_ms[key] = row["ms"]
+            if key not in best or row["ms"] < best[key]["best"]["ms"]:
+                best[key] = {"best": row}
+    for key, found in best.items():
+        head_dim, page, dtype, kernel = key
         knobs = {k: v for k, v in found["best"]["block_sizes"].items()
                  if k in (DECODE if kernel == "decode" else PREFILL)}
-        lines.append(f"{kernel:11s} head_dim {head_dim:3d} page {page:2d} {dtype:8s}: default {found['default_ms']:.3f} ms, "
-                     f"best {found['best']['ms']:.3f} ms ({found['default_ms'] / found['best']['ms']:.2f}x) at {knobs}")
+        default = (f"default {default_ms[key]:.3f} ms, best {found['best']['ms']:.3f} ms "
+                   f"({default_ms[key] / found['best']['ms']:.2f}x)" if key in default_ms else
+                   f"default FAILED, best {found['best']['ms']:.3f} ms")
+        lines.append(f"{kernel:11s} head_dim {head_dim:3d} page {page:2d} {dtype:8s}: {default} at {knobs}")
     for (head_dim, page, dtype, kernel), found in best.items():
         other = best.get((head_dim, page, dtype, "query_block"))
         if kernel == "decode" and other:
