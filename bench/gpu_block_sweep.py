@@ -126,12 +126,10 @@ def main() -> None:
     def save():
         out.write_text(json.dumps(result, indent=2) + "\n")
 
-    if args.smoke:
-        sweep(SMOKE_SHAPES, SMOKE_HEADS, {"decode": SMOKE_DECODE, "query_block": SMOKE_PREFILL}, gpu_check.SMOKE,
-              False, args.budget_s, result["rows"], save)
-    else:
-        sweep(SHAPES, HEADS, {"decode": DECODE, "query_block": PREFILL}, gpu_check.FULL, on_gpu, args.budget_s,
-              result["rows"], save)
+    shapes, heads, grids, sizes = (
+        (SMOKE_SHAPES, SMOKE_HEADS, {"decode": SMOKE_DECODE, "query_block": SMOKE_PREFILL}, gpu_check.SMOKE)
+        if args.smoke else (SHAPES, HEADS, {"decode": DECODE, "query_block": PREFILL}, gpu_check.FULL))
+    sweep(shapes, heads, grids, sizes, on_gpu, args.budget_s, result["rows"], save)
     save()
     print("\n".join(summary(result["rows"])))
     failed = [row for row in result["rows"] if "failed" in row]
