@@ -8,7 +8,6 @@ engine `Request`. Pure Python, no jax.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from orca_jax.engine.detokenizer import IncrementalDetokenizer
@@ -38,7 +37,10 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        return all(s.released for s in self.samples)
+        for sample in self.samples:  # (a loop: `all` over a generator cost twice this, every group every step)
+            if not sample.released:
+                return False
+        return True
 
 
 class OutputProcessor:
@@ -114,25 +116,28 @@ class OutputProcessor:
     # ---- after the step ----------------------------------------------------------------------
     def outputs(self, touched: dict[str, RequestGroup]) -> list[RequestOutput]:
         """An output for every touched group; finished groups are forgotten."""
-        outputs = [self._output(group) for group in touched.values()]
+        outputs = []
         for group in touched.values():
-            if group.finished:
+            finished = group.finished
+            outputs.append(self._output(group, finished))
+            if finished:
                 self.forget(group)
         return outputs
 
-    def _output(self, group: RequestGroup) -> RequestOutput:
+    def _output(self, group: RequestGroup, finished: bool) -> RequestOutput:
         completions, metrics = [], []
         for i, sample in enumerate(group.samples):
             r = sample.request
+            status = r.status
             completions.append(CompletionOutput(
                 index=i,
                 text=sample.detokenizer.text if sample.detokenizer is not None else "",
                 token_ids=list(r.output_token_ids),
                 cumulative_logprob=None if sample.logprobs is None else sample.cumulative_logprob,
                 logprobs=None if sample.logprobs is None else list(sample.logprobs),
-                finish_reason=r.status.value if r.finished else None,
+                finish_reason=status.value if status.finished else None,
                 stop_reason=r.stop_reason,
             ))
-            metrics.append(dataclasses.replace(r.metrics))  # a snapshot: the engine keeps updating its own
+            metrics.append(r.metrics.snapshot())
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
-                             group.finished, metrics[0], metrics)
+                             finished, metrics[0], metrics)

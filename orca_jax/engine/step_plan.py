@@ -217,25 +217,36 @@ def build_step_plan(out: SchedulerOutput, buckets: Buckets, kv: KVLayout, vocab_
             for p in out.scheduled for i in range(1 + len(p.draft_token_ids))]
     plan = padding_plan(num_tokens, num_rows, kv, vocab_size, rows)
     spec = plan.speculation
+    page_size = kv.page_size
     t = r = 0
     for seq, planned in enumerate(out.scheduled):
         request, n, start, drafts = planned.request, planned.num_new_tokens, planned.start, planned.draft_token_ids
         k = len(drafts)
         plan.request_ids.append(request.request_id)
-        pos = np.arange(start, start + n, dtype=np.int32)
-        table = np.asarray(request.block_table, np.int32)
-        if planned.fed_from_row >= 0:  # its one token is still on the device
-            plan.token_source[t] = planned.fed_from_row
-        else:
-            plan.token_ids[t:t + n - k] = request.token_ids_between(start, start + n - k)
-        plan.token_ids[t + n - k:t + n] = drafts
-        plan.positions[t:t + n] = pos
-        plan.segment_ids[t:t + n] = seq
-        plan.slot_mapping[t:t + n] = table[pos // kv.page_size] * kv.page_size + pos % kv.page_size
+        table = request.block_table
         plan.block_tables[seq, :len(table)] = table
         plan.kv_lens[seq] = start + n
-        # The sequence's logit rows: its last real token, then each draft (row i checks draft i).
-        plan.logits_index[r:r + 1 + k] = np.arange(t + n - 1 - k, t + n, dtype=np.int32)
+        if n == 1:  # a decode without drafts (most rows of most steps): scalars, no small arrays
+            if planned.fed_from_row >= 0:  # its one token is still on the device
+                plan.token_source[t] = planned.fed_from_row
+            else:
+                plan.token_ids[t] = request.token_ids_between(start, start + 1)[0]
+            plan.positions[t] = start
+            plan.segment_ids[t] = seq
+            plan.slot_mapping[t] = table[start // page_size] * page_size + start % page_size
+            plan.logits_index[r] = t
+        else:
+            pos = np.arange(start, start + n, dtype=np.int32)
+            if planned.fed_from_row >= 0:
+                plan.token_source[t] = planned.fed_from_row
+            else:
+                plan.token_ids[t:t + n - k] = request.token_ids_between(start, start + n - k)
+            plan.token_ids[t + n - k:t + n] = drafts
+            plan.positions[t:t + n] = pos
+            plan.segment_ids[t:t + n] = seq
+            plan.slot_mapping[t:t + n] = np.asarray(table, np.int32)[pos // page_size] * page_size + pos % page_size
+            # The sequence's logit rows: its last real token, then each draft (row i checks draft i).
+            plan.logits_index[r:r + 1 + k] = np.arange(t + n - 1 - k, t + n, dtype=np.int32)
         if spec is not None:
             spec.row_draft[r:r + k] = drafts
             spec.row_first[r:r + 1 + k] = r
@@ -267,11 +278,12 @@ def sampling_arrays(rows: list[SampleRow], num_rows: int, vocab_size: int) -> Sa
     it were already outputs. (A grammar or penalties never meet a row with tokens ahead: the
     scheduler does not plan such requests ahead.)"""
     requests = [row.request for row in rows]
+    params = [r.params for r in requests]
 
-    def column(get, dtype, fill):
-        values = np.full(num_rows, fill, dtype)
-        values[:len(rows)] = [get(r, before) for r, before, _ in rows]
-        return values
+    def column(values: list, dtype, fill):
+        array = np.full(num_rows, fill, dtype)
+        array[:len(values)] = values
+        return array
 
     stop_ids = np.full((num_rows, MAX_STOP_IDS), -1, np.int32)
     suppress = np.zeros(num_rows, bool)
@@ -305,14 +317,14 @@ def sampling_arrays(rows: list[SampleRow], num_rows: int, vocab_size: int) -> Sa
                 seen[row, r.prompt_token_ids] = True
                 seen[row] |= counts[row] > 0
     return SamplingMetadata(
-        temperature=column(lambda r, _: r.params.temperature, np.float32, 0.0),
-        top_k=column(lambda r, _: r.params.top_k, np.int32, 0),
-        top_p=column(lambda r, _: r.params.top_p, np.float32, 1.0),
-        min_p=column(lambda r, _: r.params.min_p, np.float32, 0.0),
-        repetition_penalty=column(lambda r, _: r.params.repetition_penalty, np.float32, 1.0),
-        presence_penalty=column(lambda r, _: r.params.presence_penalty, np.float32, 0.0),
-        frequency_penalty=column(lambda r, _: r.params.frequency_penalty, np.float32, 0.0),
-        seeds=column(lambda r, _: (r.seed ^ (r.seed >> 32)) & 0xFFFFFFFF, np.uint32, 0),
+        temperature=column([p.temperature for p in params], np.float32, 0.0),
+        top_k=column([p.top_k for p in params], np.int32, 0),
+        top_p=column([p.top_p for p in params], np.float32, 1.0),
+        min_p=column([p.min_p for p in params], np.float32, 0.0),
+        repetition_penalty=column([p.repetition_penalty for p in params], np.float32, 1.0),
+        presence_penalty=column([p.presence_penalty for p in params], np.float32, 0.0),
+        frequency_penalty=column([p.frequency_penalty for p in params], np.float32, 0.0),
+        seeds=column([(r.seed ^ (r.seed >> 32)) & 0xFFFFFFFF for r in requests], np.uint32, 0),
         token_index=np.array([row.token_index for row in rows] + [0] * (num_rows - len(rows)), np.int32),
         stop_ids=stop_ids,
         suppress_stop=suppress,
@@ -334,9 +346,12 @@ def step_tokens(plan: StepPlan, tokens, logprob, top_ids, top_logprobs, accepted
     """The step's host result back to the requests that asked for tokens: [R] per logit row
     (`accepted`: the row's draft was accepted; None without speculation), [S_max] per sequence
     (`drafts` [S_max, k] proposed for the next step, `num_drafts` of them valid)."""
+    # Python lists first: indexing a numpy array per row made a numpy scalar per value, each converted again.
+    tokens, logprob = np.asarray(tokens).tolist(), np.asarray(logprob).tolist()
+
     def token(row: int, num_top: int | None, value: int | None = None) -> SampledToken:
         top = None if num_top is None else (top_ids[row, :num_top].tolist(), top_logprobs[row, :num_top].tolist())
-        return SampledToken(token=int(tokens[row]) if value is None else value, logprob=float(logprob[row]), top=top)
+        return SampledToken(token=tokens[row] if value is None else value, logprob=logprob[row], top=top)
 
     result = {}
     for seq, first, verified, num_top in plan.sample_rows:
