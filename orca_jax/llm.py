@@ -134,12 +134,11 @@ class LLM:
         bar = tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm, unit="req")
         start, tokens_before = time.perf_counter(), self.engine.num_generated_tokens
         while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
-                    bar.update(1)
-                    elapsed = time.perf_counter() - start
-                    bar.set_postfix(tok_s=f"{(self.engine.num_generated_tokens - tokens_before) / elapsed:.1f}")
+            for output in self.engine.step(finished_only=True):
+                finished[output.request_id] = output
+                bar.update(1)
+                elapsed = time.perf_counter() - start
+                bar.set_postfix(tok_s=f"{(self.engine.num_generated_tokens - tokens_before) / elapsed:.1f}")
         bar.close()
         return [finished[i] for i in request_ids]
 

@@ -194,15 +194,18 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
 
     # ---- the loop ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One iteration. Returns an output for every request that got new tokens or finished."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One iteration. Returns an output for every request that got new tokens or finished
+        (`finished_only`: for the finished ones only, as the offline `LLM` wants: an output copies
+        the request's tokens so far, and building one for every request every step was most of
+        the host's output work)."""
         start = time.perf_counter()
         try:
-            return self._step()
+            return self._step(finished_only)
         finally:
             self.step_time_s += time.perf_counter() - start
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, finished_only: bool) -> list[RequestOutput]:
         touched, self._released_by_abort = self._released_by_abort, {}
         dispatched = False
         if self.in_flight.has_room:
@@ -214,7 +217,7 @@ class LLMEngine:
         if self.in_flight and not (dispatched and self.in_flight.has_room):
             scheduled, sampled = self._collect_oldest()
             self._update(scheduled, sampled, touched)
-        return self.output_processor.outputs(touched)
+        return self.output_processor.outputs(touched, finished_only)
 
     def _dispatch(self, scheduled: SchedulerOutput) -> None:
         try:

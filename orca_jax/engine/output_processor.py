@@ -114,12 +114,14 @@ class OutputProcessor:
         return None
 
     # ---- after the step ----------------------------------------------------------------------
-    def outputs(self, touched: dict[str, RequestGroup]) -> list[RequestOutput]:
-        """An output for every touched group; finished groups are forgotten."""
+    def outputs(self, touched: dict[str, RequestGroup], finished_only: bool = False) -> list[RequestOutput]:
+        """An output for every touched group (`finished_only`: every finished one); finished groups
+        are forgotten."""
         outputs = []
         for group in touched.values():
             finished = group.finished
-            outputs.append(self._output(group, finished))
+            if finished or not finished_only:
+                outputs.append(self._output(group, finished))
             if finished:
                 self.forget(group)
         return outputs

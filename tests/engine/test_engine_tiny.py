@@ -176,3 +176,23 @@ def test_long_random_workload_compiles_nothing_after_warmup(tiny_runner, tiny_tr
                 max_tokens=int(rng.integers(1, 40)), ignore_eos=bool(rng.integers(0, 2)), seed=int(rng.integers(0, 99)))))
         run_all(engine, requests)
     assert tiny_runner.num_compilations_after_warmup == 0
+
+
+def test_finished_only_steps_give_each_final_output_once(tiny_runner, tiny_trained):
+    """`step(finished_only=True)` (the offline LLM's loop) returns the finished requests' outputs
+    alone, each once, the same as the final outputs of plain steps."""
+    requests = [(p, SamplingParams(temperature=0.0, max_tokens=n, logprobs=1)) for p, n in workload()]
+    plain = run_all(make_engine(tiny_runner, tiny_trained, "chunked", **TINY_LIMITS), requests)
+    engine = make_engine(tiny_runner, tiny_trained, "chunked", **TINY_LIMITS)
+    ids = [engine.add_request(list(p), params) for p, params in requests]
+    seen = []
+    while engine.has_unfinished_requests():
+        outputs = engine.step(finished_only=True)
+        assert all(out.finished for out in outputs)
+        seen += outputs
+    assert sorted(out.request_id for out in seen) == sorted(ids)
+    by_id = {out.request_id: out for out in seen}
+    for request_id, expected in zip(ids, plain):
+        got = by_id[request_id].outputs[0]
+        assert (got.token_ids, got.finish_reason, got.logprobs) == (
+            expected.outputs[0].token_ids, expected.outputs[0].finish_reason, expected.outputs[0].logprobs)
