@@ -216,10 +216,7 @@ class AsyncLLMEngine:
                 self._fail(list(self._sinks), EngineStepError(f"engine step failed: {error}"))
                 self._publish()
                 continue
-            for output in outputs:
-                self._deliver(output.request_id, output)
-                if output.finished:
-                    self._sinks.pop(output.request_id, None)
+            self._deliver_outputs(outputs)
             self._publish()
 
     def _snapshot(self) -> EngineStats:
@@ -263,3 +260,23 @@ class AsyncLLMEngine:
         sink, loop = self._sinks.get(request_id, (None, None))
         if sink is not None:
             loop.call_soon_threadsafe(sink.put_nowait, item)
+
+    def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their requests' queues, in one call into each event loop: every
+        call_soon_threadsafe wakes its loop through a system call, and one per output per step
+        cost the engine thread a system call per streaming request per token."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for output in outputs:
+            sink, loop = self._sinks.get(output.request_id, (None, None))
+            if sink is not None:
+                by_loop.setdefault(loop, []).append((sink, output))
+            if output.finished:
+                self._sinks.pop(output.request_id, None)
+        for loop, deliveries in by_loop.items():
+            loop.call_soon_threadsafe(_put_each, deliveries)
+
+
+def _put_each(deliveries: list) -> None:
+    """On the event loop: each (queue, item) put."""
+    for sink, item in deliveries:
+        sink.put_nowait(item)
