@@ -45,7 +45,9 @@ class SamplingMetadata:
     output_counts: Array | None
     seen_tokens: Array | None
     use_penalties: Array  # [] bool: any row has a penalty (the [R, V] work is skipped otherwise)
-    token_bitmask: Array  # [R, W] int32, W = ceil(V / 32); bit v % 32 of word v // 32: token v allowed
+    # [R, W] int32, W = ceil(V / 32); bit v % 32 of word v // 32: token v allowed. In a host plan None
+    # when no row has a grammar: the runner then passes all-ones words it keeps on the device.
+    token_bitmask: Array | None
     use_bitmask: Array  # [] bool: any row has a grammar
     bias_ids: Array  # [R, MAX_LOGIT_BIAS] int32: logit_bias entries, zero padded
     bias_values: Array  # [R, MAX_LOGIT_BIAS] float32

@@ -295,9 +295,13 @@ def sampling_arrays(rows: list[SampleRow], num_rows: int, vocab_size: int) -> Sa
                 ids.append(r.eos_token_id)
             stop_ids[row, :len(ids)] = ids
             suppress[row] = True
-    # Every step ships the bitmask and the bias arrays (small, fixed shapes): rows without a
-    # constraint are all ones / zero bias, and the sampler skips the work when no row has one.
-    bitmask = np.full((num_rows, bitmask_width(vocab_size)), -1, np.int32)
+    # Every step ships the bias arrays (small, fixed shapes): rows without one have zero bias, and
+    # the sampler skips the work when no row has one. The token bitmask only when a row has a
+    # grammar (rows without one all ones): at V / 32 words a row (16 KB for a 128k vocabulary) it
+    # was most of a step's host arrays; otherwise the runner passes all-ones words it keeps on the
+    # device, as it does the penalties' zeros.
+    use_bitmask = any(r.grammar is not None for r in requests)
+    bitmask = np.full((num_rows, bitmask_width(vocab_size)), -1, np.int32) if use_bitmask else None
     bias_ids = np.zeros((num_rows, MAX_LOGIT_BIAS), np.int32)
     bias_values = np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32)
     for row, (r, before, _) in enumerate(rows):
@@ -332,7 +336,7 @@ def sampling_arrays(rows: list[SampleRow], num_rows: int, vocab_size: int) -> Sa
         seen_tokens=seen,
         use_penalties=np.bool_(use_penalties),
         token_bitmask=bitmask,
-        use_bitmask=np.bool_(any(r.grammar is not None for r in requests)),
+        use_bitmask=np.bool_(use_bitmask),
         bias_ids=bias_ids,
         bias_values=bias_values,
         use_logit_bias=np.bool_(any(r.params.logit_bias for r in requests)),

@@ -35,6 +35,8 @@ _SPECULATION_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculationMetada
                             if f.name != "block_tables")
 # Fields a process that does not hold the last stage never reads: the [S, V] penalty arrays.
 _LAST_STAGE_ONLY = frozenset({"output_counts", "seen_tokens"})
+# Sampling fields a plan holds only when a row uses them (None otherwise): those and the bitmask.
+_OPTIONAL = _LAST_STAGE_ONLY | {"token_bitmask"}
 # The padding value of each trimmed table (step_plan.padding_plan / sampling_arrays fill them so).
 _FILL = {"block_tables": 0, "sampling.stop_ids": -1, "sampling.token_bitmask": -1, "sampling.bias_ids": 0,
          "sampling.bias_values": 0}
@@ -108,7 +110,7 @@ def decode_plan(data: bytes) -> StepPlan:
         raise ValueError(f"step plan has {len(data) - offset} stray bytes at its end")
     speculating = bool(speculation_names & arrays.keys())
     missing = [n for n in known - arrays.keys()
-               if n.removeprefix("sampling.") not in _LAST_STAGE_ONLY and (speculating or n not in speculation_names)]
+               if n.removeprefix("sampling.") not in _OPTIONAL and (speculating or n not in speculation_names)]
     if missing:
         raise ValueError(f"step plan lacks {sorted(missing)}")
     sampling = {name: arrays.get(f"sampling.{name}") for name in _SAMPLING_FIELDS}

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jaxtyping import Array, Int
 
 from orca_jax.config import ModelConfig
-from orca_jax.engine.step_plan import StepPlan
+from orca_jax.engine.step_plan import StepPlan, bitmask_width
 from orca_jax.model.attention import AttentionMetadata
 from orca_jax.model.rotary import HostRotations
 from orca_jax.model.sampler import SamplingMetadata
@@ -59,22 +59,36 @@ class LayersInputs:
 
 
 class HeadInputs:
-    """The head's packed metadata for a plan. Steps without penalties take [S, V] zero arrays kept
-    on the device per sequence bucket, so they never ship them."""
+    """The head's packed metadata for a plan. Steps without penalties take [S, V] zero arrays, and
+    steps without a grammar an all-ones token bitmask, kept on the device per row bucket, so they
+    never ship them."""
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
         self._zero_penalties: dict[int, tuple[jax.Array, jax.Array]] = {}
+        self._all_allowed: dict[int, jax.Array] = {}
 
     def sampling(self, plan: StepPlan, replicated: NamedSharding) -> Packed:
         """The plan's sampling metadata, for the last stage (its devices: `replicated`)."""
         fields = vars(plan.sampling).copy()  # the plan's SamplingMetadata, in numpy
+        num_rows = plan.bucket[1]
+        # The large optional arrays are placed on their own, so the packed layout is the same with them or without.
         if fields["output_counts"] is None:
-            fields["output_counts"], fields["seen_tokens"] = self._zero_penalty_arrays(plan.bucket[1], replicated)
-        else:  # placed on their own, so the packed layout is the same with penalties or without
+            fields["output_counts"], fields["seen_tokens"] = self._zero_penalty_arrays(num_rows, replicated)
+        else:
             fields["output_counts"], fields["seen_tokens"] = jax.device_put(
                 (fields["output_counts"], fields["seen_tokens"]), replicated)
+        if fields["token_bitmask"] is None:
+            fields["token_bitmask"] = self._all_allowed_bitmask(num_rows, replicated)
+        else:
+            fields["token_bitmask"] = jax.device_put(fields["token_bitmask"], replicated)
         return pack(SamplingMetadata(**fields))  # numpy buffers, placed by the head's call (as the layers' inputs)
+
+    def _all_allowed_bitmask(self, num_rows: int, replicated: NamedSharding) -> jax.Array:
+        if num_rows not in self._all_allowed:
+            self._all_allowed[num_rows] = jax.device_put(
+                np.full((num_rows, bitmask_width(self.vocab_size)), -1, np.int32), replicated)
+        return self._all_allowed[num_rows]
 
     @staticmethod
     def speculation(plan: StepPlan) -> Packed | None:

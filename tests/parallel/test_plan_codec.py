@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
-from orca_jax.engine.step_plan import KVLayout, padding_plan
+from orca_jax.engine.step_plan import KVLayout, bitmask_width, padding_plan
 from orca_jax.parallel.multihost import layout_differences
 from orca_jax.parallel.plan_codec import decode_plan, encode_plan
 
@@ -30,6 +30,7 @@ def busy_plan(penalties: bool):
     plan.sampling.temperature[:2] = [0.0, 0.7]
     plan.sampling.seeds[:2] = [1, 4_000_000_000]
     plan.sampling.stop_ids[1, :2] = [2, 7]
+    plan.sampling.token_bitmask = np.full((4, bitmask_width(VOCAB)), -1, np.int32)
     plan.sampling.token_bitmask[0, 1] = 5
     plan.sampling.use_bitmask = np.bool_(True)
     plan.sampling.bias_ids[1, 0], plan.sampling.bias_values[1, 0] = 9, -3.5
@@ -61,6 +62,17 @@ def assert_same(decoded, plan, penalties=True):
 def test_an_encoded_plan_round_trips_exactly(penalties):
     plan = busy_plan(penalties)
     assert_same(decode_plan(encode_plan(plan)), plan)
+
+
+def test_a_plan_without_a_grammar_carries_no_bitmask():
+    plan = busy_plan(False)
+    with_bitmask = encode_plan(plan)
+    plan.sampling.token_bitmask, plan.sampling.use_bitmask = None, np.bool_(False)
+    encoded = encode_plan(plan)
+    assert len(encoded) < len(with_bitmask)
+    decoded = decode_plan(encoded)
+    assert decoded.sampling.token_bitmask is None
+    assert_same(decoded, plan, penalties=False)
 
 
 def test_a_speculating_plan_round_trips_its_draft_arrays():

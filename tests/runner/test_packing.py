@@ -3,10 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from orca_jax.engine.step_plan import KVLayout, padding_plan
 from orca_jax.model.sampler import SamplingMetadata
-from orca_jax.runner.step_inputs import StepInputs
+from orca_jax.runner.step_inputs import HeadInputs, StepInputs
 from orca_jax.runner.packing import pack
 
 
@@ -42,13 +43,12 @@ def test_a_decode_steps_inputs_reach_the_device_in_one_buffer_per_dtype():
     plan = padding_plan(1, 1, kv, vocab_size=40)
     inputs = pack(StepInputs.of(plan))
     assert [b.dtype.name for b in inputs.buffers] == ["int32"]  # 7 int32 arrays, one transfer
-    fields = vars(plan.sampling).copy()
-    fields["output_counts"], fields["seen_tokens"] = jnp.zeros((1, 40), jnp.int32), jnp.zeros((1, 40), bool)
-    sampling = pack(SamplingMetadata(**fields))
-    assert len(sampling.buffers) <= 4 and len(sampling.kept) == 2  # ~20 arrays in at most 4 transfers
+    assert plan.sampling.token_bitmask is None  # no grammar: the runner passes its own all-ones words
+    sampling = HeadInputs(40).sampling(plan, NamedSharding(Mesh(jax.devices()[:1], ("x",)), PartitionSpec()))
+    assert len(sampling.buffers) <= 4 and len(sampling.kept) == 3  # ~20 arrays in at most 4 transfers
     back = sampling.unpack()
     np.testing.assert_array_equal(back.stop_ids, plan.sampling.stop_ids)
-    np.testing.assert_array_equal(back.token_bitmask, plan.sampling.token_bitmask)
+    np.testing.assert_array_equal(back.token_bitmask, np.full((1, 2), -1, np.int32))  # 40 tokens: 2 words
 
 
 def test_a_speculating_plans_metadata_reaches_the_device_as_the_same_class():
