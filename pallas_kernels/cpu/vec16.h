@@ -120,6 +120,12 @@ ORCA_INLINE V as_float(VI x) { return {reinterpret_cast<f8>(x.a), reinterpret_ca
 ORCA_INLINE float lane0(V x) { return x.a[0]; }
 // (A memcpy of the whole pair went through the stack in 64-bit pieces: ~20 extra moves a block.)
 ORCA_INLINE V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+// 16 bfloat16 values as floats: a bfloat16 is a float's upper 16 bits, so the widening is exact.
+ORCA_INLINE V load(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i lo = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), hi = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+}
 ORCA_INLINE void store(float* p, V v) {
   _mm256_storeu_ps(p, v.a);
   _mm256_storeu_ps(p + 8, v.b);
@@ -181,6 +187,10 @@ ORCA_INLINE V broadcast(float f) { return _mm512_set1_ps(f); }
 ORCA_INLINE V fma(V x, V y, V z) { return _mm512_fmadd_ps(x, y, z); }
 ORCA_INLINE V mul_add(V x, V y, V z) { return fma(x, y, z); }
 ORCA_INLINE V load(const float* p) { return _mm512_loadu_ps(p); }
+// 16 bfloat16 values as floats (exact: a bfloat16 is a float's upper 16 bits).
+ORCA_INLINE V load(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
 ORCA_INLINE void store(float* p, V v) { _mm512_storeu_ps(p, v); }
 
 // Lane 0 + ... + lane 15 as the halving tree (lane i + lane i + 8, then + 4, + 2, + 1).
@@ -200,6 +210,15 @@ ORCA_INLINE V mul_add(V x, V y, V z) { return x * y + z; }
 ORCA_INLINE V load(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof v);
+  return v;
+}
+// 16 bfloat16 values as floats (exact: a bfloat16 is a float's upper 16 bits).
+ORCA_INLINE V load(const uint16_t* p) {
+  vf v;
+  for (int i = 0; i < kLanes; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+    std::memcpy(&v[i], &bits, sizeof bits);
+  }
   return v;
 }
 ORCA_INLINE void store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
