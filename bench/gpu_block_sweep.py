@@ -86,20 +86,19 @@ def summary(rows: list) -> list[str]:
         if "ms" in row:
             if row["default"]:
                 default_ms[key] = row["ms"]
-            if key not in best or row["ms"] < best[key]["best"]["ms"]:
-                best[key] = {"best": row}
-    for key, found in best.items():
+            if key not in best or row["ms"] < best[key]["ms"]:
+                best[key] = row
+    for key, fastest in best.items():
         head_dim, page, dtype, kernel = key
-        knobs = {k: v for k, v in found["best"]["block_sizes"].items()
-                 if k in (DECODE if kernel == "decode" else PREFILL)}
-        default = (f"default {default_ms[key]:.3f} ms, best {found['best']['ms']:.3f} ms "
-                   f"({default_ms[key] / found['best']['ms']:.2f}x)" if key in default_ms else
-                   f"default FAILED, best {found['best']['ms']:.3f} ms")
+        knobs = {k: v for k, v in fastest["block_sizes"].items() if k in (DECODE if kernel == "decode" else PREFILL)}
+        default = (f"default {default_ms[key]:.3f} ms, best {fastest['ms']:.3f} ms "
+                   f"({default_ms[key] / fastest['ms']:.2f}x)" if key in default_ms else
+                   f"default FAILED, best {fastest['ms']:.3f} ms")
         lines.append(f"{kernel:11s} head_dim {head_dim:3d} page {page:2d} {dtype:8s}: {default} at {knobs}")
-    for (head_dim, page, dtype, kernel), found in best.items():
+    for (head_dim, page, dtype, kernel), fastest in best.items():
         other = best.get((head_dim, page, dtype, "query_block"))
         if kernel == "decode" and other:
-            d, q = found["best"]["block_sizes"], other["best"]["block_sizes"]
+            d, q = fastest["block_sizes"], other["block_sizes"]
             lines.append(f"DEFAULTS row: ({head_dim}, {page}, {jnp.dtype(dtype).itemsize}, {q['num_warps']}, "
                          f"{q['num_stages']}, {d['decode_num_warps']}, {d['decode_num_stages']})  # block_q {q['block_q']}")
     return lines

@@ -226,24 +226,20 @@ def build_step_plan(out: SchedulerOutput, buckets: Buckets, kv: KVLayout, vocab_
         table = request.block_table
         plan.block_tables[seq, :len(table)] = table
         plan.kv_lens[seq] = start + n
+        if planned.fed_from_row >= 0:  # its one token is still on the device
+            plan.token_source[t] = planned.fed_from_row
+        else:
+            plan.token_ids[t:t + n - k] = request.token_ids_between(start, start + n - k)
+        if k:
+            plan.token_ids[t + n - k:t + n] = drafts
+        plan.segment_ids[t:t + n] = seq
         if n == 1:  # a decode without drafts (most rows of most steps): scalars, no small arrays
-            if planned.fed_from_row >= 0:  # its one token is still on the device
-                plan.token_source[t] = planned.fed_from_row
-            else:
-                plan.token_ids[t] = request.token_ids_between(start, start + 1)[0]
             plan.positions[t] = start
-            plan.segment_ids[t] = seq
             plan.slot_mapping[t] = table[start // page_size] * page_size + start % page_size
             plan.logits_index[r] = t
         else:
             pos = np.arange(start, start + n, dtype=np.int32)
-            if planned.fed_from_row >= 0:
-                plan.token_source[t] = planned.fed_from_row
-            else:
-                plan.token_ids[t:t + n - k] = request.token_ids_between(start, start + n - k)
-            plan.token_ids[t + n - k:t + n] = drafts
             plan.positions[t:t + n] = pos
-            plan.segment_ids[t:t + n] = seq
             plan.slot_mapping[t:t + n] = np.asarray(table, np.int32)[pos // page_size] * page_size + pos % page_size
             # The sequence's logit rows: its last real token, then each draft (row i checks draft i).
             plan.logits_index[r:r + 1 + k] = np.arange(t + n - 1 - k, t + n, dtype=np.int32)

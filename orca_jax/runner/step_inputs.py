@@ -8,6 +8,7 @@ array (jax 0.10, AMD EPYC Zen 3).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
@@ -65,30 +66,25 @@ class HeadInputs:
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
-        self._zero_penalties: dict[int, tuple[jax.Array, jax.Array]] = {}
-        self._all_allowed: dict[int, jax.Array] = {}
+        self._kept: dict[tuple[str, int], Any] = {}  # (what, rows) -> its arrays on the device
 
     def sampling(self, plan: StepPlan, replicated: NamedSharding) -> Packed:
         """The plan's sampling metadata, for the last stage (its devices: `replicated`)."""
         fields = vars(plan.sampling).copy()  # the plan's SamplingMetadata, in numpy
-        num_rows = plan.bucket[1]
+        rows, vocab = plan.bucket[1], self.vocab_size
         # The large optional arrays are placed on their own, so the packed layout is the same with them or without.
         if fields["output_counts"] is None:
-            fields["output_counts"], fields["seen_tokens"] = self._zero_penalty_arrays(num_rows, replicated)
+            fields["output_counts"], fields["seen_tokens"] = self._kept_on_device(
+                "penalties", rows, lambda: (np.zeros((rows, vocab), np.int32), np.zeros((rows, vocab), bool)), replicated)
         else:
             fields["output_counts"], fields["seen_tokens"] = jax.device_put(
                 (fields["output_counts"], fields["seen_tokens"]), replicated)
         if fields["token_bitmask"] is None:
-            fields["token_bitmask"] = self._all_allowed_bitmask(num_rows, replicated)
+            fields["token_bitmask"] = self._kept_on_device(
+                "bitmask", rows, lambda: np.full((rows, bitmask_width(vocab)), -1, np.int32), replicated)
         else:
             fields["token_bitmask"] = jax.device_put(fields["token_bitmask"], replicated)
         return pack(SamplingMetadata(**fields))  # numpy buffers, placed by the head's call (as the layers' inputs)
-
-    def _all_allowed_bitmask(self, num_rows: int, replicated: NamedSharding) -> jax.Array:
-        if num_rows not in self._all_allowed:
-            self._all_allowed[num_rows] = jax.device_put(
-                np.full((num_rows, bitmask_width(self.vocab_size)), -1, np.int32), replicated)
-        return self._all_allowed[num_rows]
 
     @staticmethod
     def speculation(plan: StepPlan) -> Packed | None:
@@ -97,10 +93,8 @@ class HeadInputs:
         # The plan holds the block tables once (for attention); the head's metadata carries them too.
         return pack(dataclasses.replace(plan.speculation, block_tables=plan.block_tables))
 
-    def _zero_penalty_arrays(self, num_seqs: int, replicated: NamedSharding) -> tuple[jax.Array, jax.Array]:
-        if num_seqs not in self._zero_penalties:
-            vocab = self.vocab_size
-            self._zero_penalties[num_seqs] = jax.device_put(
-                (np.zeros((num_seqs, vocab), np.int32), np.zeros((num_seqs, vocab), bool)), replicated
-            )
-        return self._zero_penalties[num_seqs]
+    def _kept_on_device(self, what: str, rows: int, make, replicated: NamedSharding):
+        """`make()`'s arrays, placed on the devices the first time a row bucket asks, then kept."""
+        if (what, rows) not in self._kept:
+            self._kept[what, rows] = jax.device_put(make(), replicated)
+        return self._kept[what, rows]
