@@ -40,7 +40,8 @@ double ns_per_block(int64_t out, int64_t in, int64_t tokens, int reps) {
   for (auto& byte : w) byte = rng() & 0x3F;  // small bytes: every f16 scale finite and normal
   std::vector<float> x(tokens * in), y(tokens * out);
   for (auto& v : x) v = static_cast<float>(rng() % 1000) / 500.0f - 1.0f;
-  const Problem p{x.data(), w.data(), nullptr, y.data(), tokens, in, out, row_bytes, blocks};
+  const std::vector<float> scales(out, 0.01f);  // int8's per-row scales
+  const Problem p{x.data(), w.data(), scales.data(), y.data(), tokens, in, out, row_bytes, blocks};
   Activations a;
   a.reset(tokens, blocks, step_blocks(F));
   for (int64_t t = 0; t < tokens; ++t) {
@@ -70,10 +71,11 @@ template <Variant V>
 void row(const char* name, int tokens) {
   // SmolLM2's 576-wide layers; the K-quants, whose rows are multiples of 256 weights, 768 wide.
   const int reps = tokens > 16 ? 60 : 200;
-  std::printf("%-11s T=%2d  q4_0 %.3f  q4_1 %.3f  q5_0 %.3f  q8_0 %.3f  q4_k %.3f  q5_k %.3f  q6_k %.3f\n", name,
-              tokens, ns_per_block<Format::kQ4_0, V>(576, 576, tokens, reps),
+  std::printf("%-11s T=%2d  q4_0 %.3f  q4_1 %.3f  q5_0 %.3f  q5_1 %.3f  q8_0 %.3f  int8 %.3f  q4_k %.3f  q5_k %.3f  q6_k %.3f\n",
+              name, tokens, ns_per_block<Format::kQ4_0, V>(576, 576, tokens, reps),
               ns_per_block<Format::kQ4_1, V>(576, 576, tokens, reps), ns_per_block<Format::kQ5_0, V>(576, 576, tokens, reps),
-              ns_per_block<Format::kQ8_0, V>(576, 576, tokens, reps), ns_per_block<Format::kQ4_K, V>(512, 768, tokens, reps),
+              ns_per_block<Format::kQ5_1, V>(576, 576, tokens, reps), ns_per_block<Format::kQ8_0, V>(576, 576, tokens, reps),
+              ns_per_block<Format::kInt8, V>(576, 576, tokens, reps), ns_per_block<Format::kQ4_K, V>(512, 768, tokens, reps),
               ns_per_block<Format::kQ5_K, V>(512, 768, tokens, reps), ns_per_block<Format::kQ6_K, V>(512, 768, tokens, reps));
 }
 
