@@ -8,7 +8,7 @@ array (jax 0.10, AMD EPYC Zen 3).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -93,7 +93,7 @@ class HeadInputs:
         # The plan holds the block tables once (for attention); the head's metadata carries them too.
         return pack(dataclasses.replace(plan.speculation, block_tables=plan.block_tables))
 
-    def _kept_on_device(self, what: str, rows: int, make, replicated: NamedSharding):
+    def _kept_on_device(self, what: str, rows: int, make: Callable[[], Any], replicated: NamedSharding):
         """`make()`'s arrays, placed on the devices the first time a row bucket asks, then kept."""
         if (what, rows) not in self._kept:
             self._kept[what, rows] = jax.device_put(make(), replicated)
