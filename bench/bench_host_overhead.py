@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages
 import machine  # noqa: E402 (bench/, the script's own folder)
 from orca_jax import LLM, SamplingParams  # noqa: E402
+from orca_jax.runner.builder import freeze_start_up_objects  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "host_overhead_new.json")
     args = parser.parse_args()
     llm = LLM("tiny", max_num_seqs=max(args.batch_sizes), show_progress=False)
+    freeze_start_up_objects()  # as `orca-jax serve` does (LLM does not): the collector's share as served
     print(f"{machine.cpu_name()}; the tiny model; {args.tokens} tokens per request; per decode step, best of "
           f"{args.rounds} rounds:")
     print(f"{'B':>5}  {'steps':>5}  {'host CPU ms':>11}  {'wall ms':>8}  {'us per request':>14}  "

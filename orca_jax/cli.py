@@ -12,6 +12,7 @@ from orca_jax.config import DEFAULT_MODEL
 from orca_jax.engine_args import add_engine_flags, config_from_flags
 from orca_jax.parallel.multihost import DistributedConfig, run_process
 from orca_jax.parallel.plan_cli import add_plan_arguments, plan_command
+from orca_jax.paths import is_gguf_file
 from orca_jax.tuning.tune import add_tune_arguments
 
 
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     serve.add_argument("model_tag", nargs="?", metavar="MODEL",
-                       help="preset name or checkpoint directory, as `vllm serve MODEL` takes it (same as --model)")
+                       help="preset name, checkpoint directory or .gguf file, as `vllm serve MODEL` takes it (same as --model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
@@ -325,7 +326,10 @@ def _serve(args: argparse.Namespace) -> int:
 
             ensure_pulled(config.model, log=lambda message: print(message, file=sys.stderr))
         checkpoint = resolve_checkpoint_dir(config.model)
-        if not is_complete(checkpoint):
+        if is_gguf_file(config.model):
+            if not checkpoint.is_file():
+                raise CheckpointError(f"{checkpoint}: no such GGUF file")
+        elif not is_complete(checkpoint):
             raise CheckpointError(missing_checkpoint_message(config.model, checkpoint))
     if dist is not None and not dist.is_leader:
         return run_process(dist, lambda: _follow_leader(config, dist))
@@ -341,8 +345,10 @@ def _serve(args: argparse.Namespace) -> int:
     def build_engine():
         from orca_jax import LLM
         from orca_jax.engine.async_engine import AsyncLLMEngine
+        from orca_jax.runner.builder import freeze_start_up_objects
 
         built.append(LLM(config=config, distributed=dist))
+        freeze_start_up_objects()  # this process is the server's: its whole heap is start-up's
         return AsyncLLMEngine(built[0].engine)
 
     def run() -> int:

@@ -18,7 +18,7 @@ from orca_jax.config_loading import check_literal, check_positive, require
 from orca_jax.config_loading import ConfigError, from_dict, load_toml  # noqa: F401
 from orca_jax.model_config import DType, ModelConfig, load_model_preset, model_config_to_toml  # noqa: F401
 from orca_jax.model_config import model_preset_names  # noqa: F401
-from orca_jax.paths import compilation_cache_dir, presets  # noqa: F401
+from orca_jax.paths import compilation_cache_dir, is_gguf_file, presets  # noqa: F401
 
 # The folder above the package, for the tests and bench scripts (they run only from a source checkout).
 # The package finds its own files through orca_jax/paths.py, which works installed too.
@@ -39,8 +39,9 @@ SpeculativeMethod = Literal["ngram", "draft_model"]
 LoadFormat = Literal["auto", "dummy"]  # auto: the checkpoint's weights; dummy: seeded random ones (vLLM's names)
 # Weights kept quantized on the device (model/quantization.py): "gguf" serves a GGUF's own blocks, tensor
 # by tensor (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), "int8" quantizes float weights per output
-# channel at load; "none" keeps the dtype's.
-Quantization = Literal["none", "gguf", "int8"]
+# channel at load; "none" keeps the dtype's; "auto" is gguf for a .gguf file (as llama.cpp serves it),
+# none for a checkpoint.
+Quantization = Literal["auto", "none", "gguf", "int8"]
 # How quantized matrices take their inputs (pallas_kernels/int8_activations.py): "int8" quantizes each
 # activation row per 32-value block and multiplies with integer dot products (llama.cpp's method);
 # "float32" multiplies the activations as they are by the exactly dequantized weights (the reference
@@ -69,6 +70,14 @@ def matmul_precision_for(setting: str, model_dtype: str) -> str:
     if setting != "auto":
         return setting
     return "highest" if model_dtype == "float32" else "default"
+
+
+def quantization_for(setting: str, model: str) -> str:
+    """The quantization a model runs with: `auto` is gguf for a .gguf file (its own blocks, as llama.cpp
+    serves it: `--quantization none` asks for float weights), none for a checkpoint."""
+    if setting != "auto":
+        return setting
+    return "gguf" if is_gguf_file(model) else "none"
 
 
 def activations_for(setting: str, quantization: str) -> str:
@@ -102,7 +111,9 @@ class CacheConfig:
     kv_cache_memory: int | None = setting(
         None, "KV cache per device (its stage's layers, its share of the heads), e.g. 1GiB, 512MiB or bytes; "
               "none: on an accelerator, what device_memory_utilization x its memory leaves after the parameters "
-              "and the reserve, on CPU 1GiB", unit="bytes")
+              "and the reserve; on CPU, device_memory_utilization x the host's free memory (MemAvailable, within "
+              "a container's cgroup limit) after the parameters, at most what max_num_seqs sequences of "
+              "max_model_len need (1GiB in a multi-process job)", unit="bytes")
     enable_prefix_caching: bool = setting(
         False, "share the KV pages of common prompt prefixes (paged, chunked, orca); --no-enable-prefix-caching "
                "turns a config file's true off")
@@ -111,7 +122,8 @@ class CacheConfig:
                 "doubles the pages a kv_cache_memory budget holds, at a small cost in precision (docs/numerics.md)")
     device_memory_utilization: float = setting(
         0.9, "fraction of each accelerator's memory (as JAX reports it) for parameters and KV pages; the KV "
-             "cache gets what the parameters leave, the rest is kept for activations and workspace. Ignored on CPU",
+             "cache gets what the parameters leave, the rest is kept for activations and workspace. On CPU, the "
+             "fraction of the host's free memory after the parameters that the KV cache takes",
         unit="fraction", flag="--gpu-memory-utilization")
 
     def __post_init__(self) -> None:
@@ -125,7 +137,9 @@ class CacheConfig:
         check_literal(self, "kv_cache_dtype", KV_CACHE_DTYPE_CHOICES)
 
 
-DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # bytes per CPU device when kv_cache_memory is not given
+# Bytes per CPU device when kv_cache_memory is not given and the host's free memory cannot size the
+# cache: in a multi-process job (every process must size the same cache), or where it is unknown.
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 
 
 def kv_page_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
@@ -227,9 +241,10 @@ class SpeculativeConfig:
 class EngineConfig:
     """Every engine setting, declared once with setting() (here and in the sections below)."""
 
-    model: str = setting(DEFAULT_MODEL, "preset name or checkpoint directory")
+    model: str = setting(DEFAULT_MODEL, "preset name, checkpoint directory or .gguf file (served as it is)")
     max_model_len: int | None = setting(
-        None, "tokens per sequence, prompt + output (none: the model's context length); a shorter one lets "
+        None, "tokens per sequence, prompt + output (none: the model's context length, lowered to what the KV "
+              "cache holds where that is less; a given one the cache cannot hold is refused); a shorter one lets "
               "orca/static reserve less KV per request", unit="tokens")
     dtype: DTypeSetting = setting(
         "auto", "weights, activations and KV pages (auto: the checkpoint's own dtype, but float32 on CPU, where "
@@ -244,8 +259,9 @@ class EngineConfig:
         "auto", "float matrices' matmuls (auto: native on CPU for float32 at tp 1; native: the CPU kernel for "
                 "decode-sized calls over the matrices as rows, XLA for the rest; xla: XLA's dot, the reference)")
     quantization: Quantization = setting(
-        "none", "weights kept quantized on the device (none: the dtype's): gguf serves the GGUF's own blocks, "
-                "int8 quantizes float weights per output channel at load (docs/quantization.md)")
+        "auto", "weights kept quantized on the device: gguf serves the GGUF's own blocks, int8 quantizes float "
+                "weights per output channel at load, none keeps the dtype's; auto: gguf when the model is a .gguf "
+                "file, none for a checkpoint (docs/quantization.md)")
     quantization_activations: QuantizationActivations = setting(
         "auto", "how quantized matrices take their inputs: int8 quantizes each activation row per 32 values and "
                 "multiplies with integer dot products (llama.cpp's method); float32 multiplies them as they are by "
@@ -272,6 +288,11 @@ class EngineConfig:
     tokenizer: str | None = setting(
         None, "use this checkpoint's tokenizer (name or directory) instead of the model's own")
 
+    @property
+    def effective_quantization(self) -> str:
+        """`quantization` with auto resolved for the model (quantization_for): what runs."""
+        return quantization_for(self.quantization, self.model)
+
     def __post_init__(self) -> None:
         check_literal(self, "load_format", LOAD_FORMAT_CHOICES)
         require(isinstance(self.dummy_seed, int) and not isinstance(self.dummy_seed, bool) and self.dummy_seed >= 0,
@@ -284,13 +305,13 @@ class EngineConfig:
                  "matmul_impl='native' multiplies whole matrices on each device: use tensor_parallel_size=1, "
                  "or matmul_impl='auto' (XLA's dot when the matrices are split)")
         check_literal(self, "quantization", QUANTIZATION_CHOICES)
-        require(self.quantization == "none" or self.parallel.tensor_parallel_size == 1,
-                 f"quantization={self.quantization!r} keeps whole quantized matrices on each device and does not "
+        require(self.effective_quantization == "none" or self.parallel.tensor_parallel_size == 1,
+                 f"quantization={self.effective_quantization!r} keeps whole quantized matrices on each device and does not "
                  "split them: use tensor_parallel_size=1 (pipeline_parallel_size may be larger), or "
                  "quantization='none' to split float weights over devices")
         check_literal(self, "quantization_activations", QUANTIZATION_ACTIVATIONS_CHOICES)
         # float32 is what float matrices take anyway; int8 needs quantized ones.
-        require(self.quantization != "none" or self.quantization_activations != "int8",
+        require(self.effective_quantization != "none" or self.quantization_activations != "int8",
                  "quantization_activations='int8' quantizes the inputs of quantized matrices, and quantization='none' "
                  "has none: set quantization='gguf' or 'int8', or leave quantization_activations='auto'")
         if self.max_model_len is not None:

@@ -71,7 +71,11 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # attention scores s -> cap * tanh(s / cap); None: off
     final_logit_softcap: float | None = None  # LM-head logits l -> cap * tanh(l / cap); None: off
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | None = None  # the end-of-sequence token (a chat template's `eos_token`)
+    # Further ids that end a sequence as eos_token_id does: an instruct model's end of turn (Llama 3's
+    # <|eot_id|>, Phi-3's <|end|>, Gemma's <end_of_turn>), which HF lists beside its eos and GGUF
+    # names as eot/eom or llama.cpp finds by text. `eos_token_ids` is the whole set.
+    extra_eos_token_ids: tuple[int, ...] = ()
     dtype: DType = "float32"  # parameters and activations; use float32 on CPU
 
     def __post_init__(self) -> None:
@@ -112,6 +116,12 @@ class ModelConfig:
                 token is None or 0 <= token < self.vocab_size,
                 f"ModelConfig {self.name!r}: {token_name}={token} is outside the vocabulary [0, {self.vocab_size})",
             )
+        # One spelling of the set, whatever the source listed: sorted, without duplicates or the eos itself.
+        object.__setattr__(self, "extra_eos_token_ids",
+                           tuple(sorted(set(self.extra_eos_token_ids) - {self.eos_token_id})))
+        outside = [t for t in self.extra_eos_token_ids if not 0 <= t < self.vocab_size]
+        require(not outside, f"ModelConfig {self.name!r}: extra_eos_token_ids {outside} are outside the vocabulary "
+                             f"[0, {self.vocab_size})")
 
     def _check_family_switches(self) -> None:
         check_literal(self, "mlp_activation", typing.get_args(MlpActivation))
@@ -173,6 +183,11 @@ class ModelConfig:
                  f"rope_high_freq_factor ({self.rope_high_freq_factor})")
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends a sequence: eos_token_id and the extra ones."""
+        return frozenset({self.eos_token_id, *self.extra_eos_token_ids}) - {None}
+
+    @property
     def queries_per_kv_head(self) -> int:
         return self.n_heads // self.n_kv_heads
 
@@ -214,8 +229,9 @@ def model_config_to_toml(config: ModelConfig) -> str:
             text = "true" if value else "false"
         elif isinstance(value, str):
             text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        elif isinstance(value, tuple):  # float factors, or layer types (strings without quotes to escape)
-            text = "[" + ", ".join(f'"{item}"' if isinstance(item, str) else repr(float(item)) for item in value) + "]"
+        elif isinstance(value, tuple):  # float factors, token ids, or layer types (strings without quotes to escape)
+            text = "[" + ", ".join(f'"{item}"' if isinstance(item, str) else repr(item) if isinstance(item, int)
+                                   else repr(float(item)) for item in value) + "]"
         else:
             text = repr(value)
         lines.append(f"{f.name} = {text}")

@@ -61,3 +61,9 @@ def compilation_cache_dir() -> Path:
 def presets(kind: str) -> Traversable:
     """The shipped presets of one kind: "models" (one ModelConfig TOML each) or "engine" (default.toml)."""
     return importlib.resources.files("orca_jax") / "configs" / kind
+
+
+def is_gguf_file(name_or_path: str | os.PathLike) -> bool:
+    """Whether a model setting names a GGUF file, served as it is, rather than a checkpoint or a preset
+    (by its suffix, as llama.cpp and vLLM tell them apart)."""
+    return str(name_or_path).endswith(".gguf")

@@ -36,16 +36,25 @@ class Tokenizer:
         *,
         bos_token_id: int | None,
         eos_token_id: int | None,
+        extra_eos_token_ids: Sequence[int] = (),
         add_bos_token: bool = False,
         add_eos_token: bool = False,
         chat_template: str | None = None,
     ):
+        """`eos_token_id` is the one a template writes and `add_eos_token` adds; `extra_eos_token_ids`
+        end a sequence too (ModelConfig.extra_eos_token_ids)."""
         self.hf = hf
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
+        self.extra_eos_token_ids = tuple(sorted(set(extra_eos_token_ids) - {eos_token_id}))
         self.add_bos_token = add_bos_token
         self.add_eos_token = add_eos_token
         self.chat_template = chat_template
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends a sequence."""
+        return frozenset({self.eos_token_id, *self.extra_eos_token_ids}) - {None}
 
     @property
     def vocab_size(self) -> int:
@@ -118,6 +127,7 @@ class Tokenizer:
         config = {
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
+            "eos_token_ids": sorted(self.eos_token_ids),
             "add_bos_token": self.add_bos_token,
             "add_eos_token": self.add_eos_token,
             "chat_template": self.chat_template,
@@ -133,6 +143,7 @@ class Tokenizer:
             HFTokenizer.from_file(str(directory / TOKENIZER_FILE)),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
+            extra_eos_token_ids=config.get("eos_token_ids", ()),  # (absent in checkpoints made before it)
             add_bos_token=bool(config.get("add_bos_token", False)),
             add_eos_token=bool(config.get("add_eos_token", False)),
             chat_template=config.get("chat_template"),

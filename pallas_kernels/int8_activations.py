@@ -5,10 +5,14 @@ Quantizing a row, per 32-value block (Q8_0's rule, with rounding half to even):
 
     d = max |x| / 127 (f32 division);  inv = 1 / d (0 when d is 0);  q = round-half-even(x * inv)
 
-so q is in [-127, 127] and x ~ d * q. A block's weights are likewise integers and scales: w = s * (q_w
-- offset) + m, with offset 8 (Q4_0), 16 (Q5_0), 32 (Q6_K), else 0; m Q4_1's and Q5_1's minimum and
-Q4_K's and Q5_K's -(dmin * min), else 0; s the block's scale (Q6_K: one for weights 0-15, one for
-16-31; the K-quants' d * sc; int8 rows: 1, the row scale applied last).
+so q is in [-127, 127] and x ~ d * q. The max propagates NaN: a NaN or an infinity in a block makes
+its d NaN or infinite (its q 0) and every output of the row NaN, so a diverged model shows as one on
+every path (this reference, each native variant, XLA's).
+
+A block's weights are likewise integers and scales: w = s * (q_w - offset) + m, with offset 8 (Q4_0),
+16 (Q5_0), 32 (Q6_K), else 0; m Q4_1's and Q5_1's minimum and Q4_K's and Q5_K's -(dmin * min), else
+0; s the block's scale (Q6_K: one for weights 0-15, one for 16-31; the K-quants' d * sc; int8 rows:
+1, the row scale applied last).
 
 The native kernel (cpu/quantized_matmul_int8.cc) and `matmul_reference` compute one output element
 as 16 float lanes over steps of G blocks (blocks Gp .. Gp + G - 1; the block count padded with zero
@@ -137,7 +141,8 @@ def _per_lane(values: np.ndarray, g: int) -> np.ndarray:
     if g == 2:
         v = np.swapaxes(values.reshape(lead + (-1, 2, 2)), -1, -2)  # [..., step, h, e]
         return np.repeat(v.reshape(lead + (-1, 4)), 4, axis=-1)
-    assert np.array_equal(values[..., 0], values[..., 1]), "integer first needs one scale per block"
+    # equal_nan: a NaN activation makes its block's d NaN, which must reach the output, not fail here
+    assert np.array_equal(values[..., 0], values[..., 1], equal_nan=True), "integer first needs one scale per block"
     return np.repeat(values[..., 0].reshape(lead + (-1, 4)), 4, axis=-1)
 
 

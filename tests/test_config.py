@@ -75,6 +75,7 @@ def test_wrong_type_and_missing_key(tmp_path):
         (dict(architecture="mamba"), "choose one of"),
         (dict(d_model=0), "positive integer"),
         (dict(eos_token_id=1000), "outside the vocabulary"),
+        (dict(extra_eos_token_ids=(3, 1000)), "extra_eos_token_ids \\[1000\\] are outside the vocabulary"),
         (dict(dtype="float8"), "choose one of"),
     ],
 )

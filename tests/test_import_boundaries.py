@@ -18,7 +18,7 @@ NO_JAX_MODULES = sorted(
     "orca_jax.config", "orca_jax.config_loading", "orca_jax.model_config",
     "orca_jax.tokenizer", "orca_jax.cli", "orca_jax.sampling_params", "orca_jax.outputs",
     "orca_jax.sizes", "orca_jax.llm", "orca_jax.parallel.layout", "orca_jax.parallel.plan_cli",
-    "orca_jax.parallel.multihost", "orca_jax.parallel.plan_codec", "orca_jax.step_metadata",
+    "orca_jax.parallel.multihost", "orca_jax.parallel.plan_codec", "orca_jax.step_metadata", "orca_jax.host_memory",
 ]
 
 BLOCK_JAX = """

@@ -61,9 +61,10 @@ def unpermute_llama_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def open_gguf(path: str | Path, name: str) -> ImportedModel:
-    """The model in the GGUF file at `path`, its tensors read a layer at a time (`ImportedModel.read_part`)."""
-    reader = GGUFReader(str(path))
+def open_gguf(path: str | Path, name: str, reader: GGUFReader | None = None) -> ImportedModel:
+    """The model in the GGUF file at `path`, its tensors read a layer at a time (`ImportedModel.read_part`);
+    `reader`: the file already opened."""
+    reader = reader or GGUFReader(str(path))
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFImportError(
@@ -101,26 +102,56 @@ def open_gguf(path: str | Path, name: str) -> ImportedModel:
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        extra_eos_token_ids=end_of_generation_ids(reader),
         dtype=_weights_dtype(reader),
         **_family_switches(reader, arch, n_heads, d_model),
     )
     by_name = {t.name: t for t in reader.tensors if t.name != ROPE_FREQS}  # rope_freqs: in the config already
     by_part = names_by_part(config, by_name)
 
-    def read_part(part: Part) -> dict[str, np.ndarray]:
-        tensors = {name: _read_tensor(path, by_name[name]) for name in by_part[part]}
+    def read_part(part: Part, skip: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
+        """The part's tensors dequantized, but those named in `skip` (matrices served in place)."""
+        tensors = {name: _read_tensor(path, by_name[name]) for name in by_part[part] if name not in skip}
         if arch == "llama" and isinstance(part, int):
-            q, k = f"blk.{part}.attn_q.weight", f"blk.{part}.attn_k.weight"
-            if q in tensors and k in tensors:  # (a missing one is named when the layer is mapped)
-                tensors[q] = unpermute_llama_qk(tensors[q], config.n_heads)
-                tensors[k] = unpermute_llama_qk(tensors[k], config.n_kv_heads)
-        if arch == "phi3" and f"blk.{part}.ffn_up.weight" in tensors:  # llama.cpp keeps Phi-3's [gate; up] as one ffn_up
-            tensors[f"blk.{part}.ffn_gate_up.weight"] = tensors.pop(f"blk.{part}.ffn_up.weight")
+            for p, heads in (("q", config.n_heads), ("k", config.n_kv_heads)):
+                if f"blk.{part}.attn_{p}.weight" in tensors:  # (a missing one is named when the layer is mapped)
+                    tensors[f"blk.{part}.attn_{p}.weight"] = unpermute_llama_qk(tensors[f"blk.{part}.attn_{p}.weight"],
+                                                                                heads)
+        if arch == "phi3" and isinstance(part, int):
+            # llama.cpp keeps Phi-3's [gate; up] as one ffn_up (and reads files with them apart)
+            if f"blk.{part}.ffn_gate.weight" not in by_name and f"blk.{part}.ffn_up.weight" in tensors:
+                tensors[f"blk.{part}.ffn_gate_up.weight"] = tensors.pop(f"blk.{part}.ffn_up.weight")
             split_fused_phi3(tensors, config)
         return tensors
 
     tokenizer = gguf_tokenizer(reader, path) if tokens is not None else None
     return ImportedModel(config, tokenizer, read_part)
+
+
+def file_matrices(config: ModelConfig, arch: str, part: Part, names) -> dict[str, tuple[str, ...]]:
+    """A part's weight matrices as the file `names` its tensors: tensor name -> the decoder matrices
+    ("layers.3.attn.q") its rows hold, in row order. A fused tensor holds several: GPT-2's and
+    Phi-3's attn_qkv [q; k; v], Phi-3's ffn_up [gate; up] (llama.cpp also reads Phi-3 files with
+    them apart)."""
+    if part == "embed":
+        return {"token_embd.weight": ("embed",)}
+    if part == "head":
+        return {} if config.tie_word_embeddings else {"output.weight": ("lm_head",)}
+    src, dest = f"blk.{part}", f"layers.{part}"
+    if f"{src}.attn_qkv.weight" in names:
+        matrices = {f"{src}.attn_qkv.weight": tuple(f"{dest}.attn.{p}" for p in "qkv")}
+    else:
+        matrices = {f"{src}.attn_{p}.weight": (f"{dest}.attn.{p}",) for p in "qkv"}
+    matrices[f"{src}.attn_output.weight"] = (f"{dest}.attn.o",)
+    if arch == "gpt2":
+        mlp = {"up": ("up",), "down": ("down",)}
+    elif arch == "phi3" and f"{src}.ffn_gate.weight" not in names:
+        mlp = {"up": ("gate", "up"), "down": ("down",)}
+    else:
+        mlp = {"gate": ("gate",), "up": ("up",), "down": ("down",)}
+    for tensor, parts in mlp.items():
+        matrices[f"{src}.ffn_{tensor}.weight"] = tuple(f"{dest}.mlp.{p}" for p in parts)
+    return matrices
 
 
 def _read_tensor(path: str | Path, tensor) -> np.ndarray:
@@ -130,8 +161,15 @@ def _read_tensor(path: str | Path, tensor) -> np.ndarray:
     Read from the file rather than through the reader's memory map: pages touched through a map
     stay in this process's resident memory while the map lives, so a conversion would end up
     holding the whole file; a read holds one tensor and frees it."""
+    return gguf.quants.dequantize(read_raw(path, tensor), tensor.tensor_type).astype(np.float32)
+
+
+def read_raw(path: str | Path, tensor) -> np.ndarray:
+    """One tensor's bytes as the file stores them, [rows, row bytes] for a block type, read from the
+    file (not through the reader's memory map, whose touched pages would stay resident beside the
+    copy the caller makes of them)."""
     raw = np.fromfile(path, dtype=tensor.data.dtype, count=tensor.data.size, offset=tensor.data_offset)
-    return gguf.quants.dequantize(raw.reshape(tensor.data.shape), tensor.tensor_type).astype(np.float32)
+    return raw.reshape(tensor.data.shape)
 
 
 def _family_switches(reader: gguf.GGUFReader, arch: str, n_heads: int, d_model: int) -> dict:
@@ -206,11 +244,50 @@ def gguf_tokenizer(reader: gguf.GGUFReader, path: str | Path) -> Tokenizer:
         hf,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        extra_eos_token_ids=end_of_generation_ids(reader),
         # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise (so does transformers)
         add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", kind == "llama")),
         add_eos_token=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
         chat_template=_field(reader, "tokenizer.chat_template"),
     )
+
+
+# Tokens that end generation by their text alone, as llama.cpp takes them (llama-vocab.cpp, its EOG
+# set): converters do not always write an eot or eom id, and a chat model ends its turn with one of these.
+END_OF_GENERATION_TEXTS = frozenset({
+    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+    "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "</s>", "<eos>", "<turn|>", "<|tool_response>", "<end_of_utterance>",
+    "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<｜end▁of▁sentence｜>", "[e~[",
+})
+# Fill-in-the-middle's pad, repository and file separators end generation too: the file's id, else
+# the tokens of these texts.
+FIM_END_TEXTS = {
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}
+
+
+def end_of_generation_ids(reader: gguf.GGUFReader) -> tuple[int, ...]:
+    """Every id that ends generation, by llama.cpp's rule: the file's eos, eot and eom ids, its
+    fill-in-the-middle separators and every token spelled as an end (END_OF_GENERATION_TEXTS), so
+    that an instruct model stops at the end of its turn as it does under llama.cpp."""
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    by_text = {text: i for i, text in enumerate(tokens or [])}
+    ids = {_field(reader, f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")}
+    for key, texts in FIM_END_TEXTS.items():
+        named = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        ids |= {named} if named is not None else {by_text[t] for t in texts if t in by_text}
+    ids |= {by_text[t] for t in END_OF_GENERATION_TEXTS if t in by_text}
+    # llama.cpp's two exceptions: where <|end|> closes a message and <|return|> or a call the answer
+    # (gpt-oss, Solar Open), and where </s> is not Gemma 4's end (it has <|tool_response>).
+    calls = "<|call|>" in by_text or "<|calls|>" in by_text
+    if calls and ("<|return|>" in by_text or "<|flush|>" in by_text):
+        ids.discard(by_text.get("<|end|>"))
+    if "<|tool_response>" in by_text:
+        ids.discard(by_text.get("</s>"))
+    # An id outside the vocabulary is ignored, as llama.cpp ignores it.
+    return tuple(sorted(int(i) for i in ids if i is not None and (tokens is None or 0 <= i < len(tokens))))
 
 
 def _token_types(reader: gguf.GGUFReader, count: int) -> list[int]:

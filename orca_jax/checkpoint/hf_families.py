@@ -128,8 +128,15 @@ def rope_parameters(c: dict) -> dict:
 
 
 def single_id(value) -> int | None:
-    """HF allows a list of eos ids; the first is the one the model emits."""
-    return value[0] if isinstance(value, list) else value
+    """HF allows a list of eos ids; the first is the model's eos (a chat template's `eos_token`), the
+    rest end a sequence too (id_list)."""
+    ids = id_list(value)
+    return ids[0] if ids else None
+
+
+def id_list(value) -> list[int]:
+    """An HF token id field (an id, a list of ids or null) as a list."""
+    return [] if value is None else list(value) if isinstance(value, list) else [value]
 
 
 def _optional_float(value) -> float | None:

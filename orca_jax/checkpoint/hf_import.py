@@ -18,8 +18,8 @@ import numpy as np
 from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
-from orca_jax.checkpoint.hf_families import (LLAMA_SHAPE_FAMILIES, NAMES, HFImportError, llama_shape_config,
-                                             prepare_tensors, single_id)
+from orca_jax.checkpoint.hf_families import (LLAMA_SHAPE_FAMILIES, NAMES, HFImportError, id_list,
+                                             llama_shape_config, prepare_tensors, single_id)
 from orca_jax.checkpoint.layout import ImportedModel, Part, names_by_part
 from orca_jax.config import ModelConfig
 from orca_jax.tokenizer import Tokenizer
@@ -80,7 +80,8 @@ def open_hf_folder(folder: str | Path, name: str) -> ImportedModel:
                 header = f.get_slice(hf_name)
                 if len(header.get_shape()) == 2:
                     matrix_dtypes.add(SAFETENSORS_DTYPES.get(header.get_dtype(), header.get_dtype()))
-    config = dataclasses.replace(config, dtype=_checkpoint_dtype(hf_config, matrix_dtypes, config_file))
+    config = dataclasses.replace(config, dtype=_checkpoint_dtype(hf_config, matrix_dtypes, config_file),
+                                 extra_eos_token_ids=_end_of_sequence_ids(hf_config, folder))
     by_part = names_by_part(config, where)
 
     def read_part(part: Part) -> dict[str, np.ndarray]:
@@ -125,6 +126,21 @@ def _checkpoint_dtype(hf_config: dict, matrix_dtypes: set[str], config_file: Pat
     return declared
 
 
+def _end_of_sequence_ids(hf_config: dict, folder: Path) -> tuple[int, ...]:
+    """Every end-of-sequence id the folder lists: config.json's `eos_token_id` and
+    generation_config.json's (each an id or a list), where transformers' generate() reads them.
+    Instruct models end a turn with one of them: Llama 3.x lists <|eot_id|> in both files, Phi-3 its
+    <|end|> in generation_config.json only."""
+    ids = id_list(hf_config.get("eos_token_id"))
+    generation_file = folder / "generation_config.json"
+    if generation_file.is_file():
+        try:
+            ids += id_list(json.loads(generation_file.read_text()).get("eos_token_id"))
+        except json.JSONDecodeError as e:
+            raise HFImportError(f"{generation_file} is not valid JSON: {e}") from None
+    return tuple(ids)
+
+
 def _rename(hf_name: str, names: dict[str, str], file: Path) -> str:
     for pattern, target in names.items():
         match = re.fullmatch(pattern, hf_name)
@@ -167,6 +183,7 @@ def _tokenizer(folder: Path, config: ModelConfig) -> Tokenizer | None:
         HFTokenizer.from_file(str(folder / "tokenizer.json")),
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
+        extra_eos_token_ids=config.extra_eos_token_ids,
         add_bos_token=bool(settings.get("add_bos_token", False)),
         chat_template=template if isinstance(template, str) else None,
     )

@@ -39,7 +39,8 @@ class ImportedModel:
 
     config: ModelConfig
     tokenizer: Tokenizer | None
-    read_part: Callable[[Part], dict[str, np.ndarray]]  # a part's tensors, GGUF-named, [out, in]
+    # a part's tensors, GGUF-named, [out, in] (a GGUF's also takes `skip`: tensor names not to read)
+    read_part: Callable[..., dict[str, np.ndarray]]
 
 
 def model_parts(config: ModelConfig) -> list[Part]:
@@ -66,10 +67,13 @@ def names_by_part(config: ModelConfig, names) -> dict[Part, list[str]]:
     return by_part
 
 
-def to_decoder_params(config: ModelConfig, part: Part, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def to_decoder_params(config: ModelConfig, part: Part, tensors: dict[str, np.ndarray],
+                      in_place: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
     """Returns one part's flat decoder params {"layers.0.attn.q.kernel": array} from its GGUF-named
     tensors, all in `config.dtype` (the checkpoint's own; tensors a checkpoint keeps wider, such as
-    float32 norms in a bfloat16 file, are narrowed to it as the model computes in one dtype)."""
+    float32 norms in a bfloat16 file, are narrowed to it as the model computes in one dtype).
+    `in_place`: matrices ("layers.0.attn.q.kernel") served from the file's blocks as they are, whose
+    tensors are not given and which are not made here."""
     dtype = numpy_dtype(config.dtype)
     remaining = dict(tensors)
 
@@ -86,14 +90,18 @@ def to_decoder_params(config: ModelConfig, part: Part, tensors: dict[str, np.nda
         if gpt2:
             out[f"{dest}.bias"] = take(f"{src}.bias")
 
+    def matrix(dest: str, src: str, to_kernel=lambda rows: rows) -> None:
+        if dest not in in_place:
+            out[dest] = to_kernel(take(src))
+
     if part == "embed":
-        out["embed.embedding"] = take("token_embd.weight")
+        matrix("embed.embedding", "token_embd.weight")
         if gpt2:
             out["pos_embed.embedding"] = take("position_embd.weight")
     elif part == "head":
         norm("final_norm", "output_norm")
         if not config.tie_word_embeddings:
-            out["lm_head.embedding"] = take("output.weight")
+            matrix("lm_head.embedding", "output.weight")
         elif "output.weight" in remaining:
             remaining.pop("output.weight")  # a tied model may still ship a copy of the head
     else:  # a layer
@@ -104,27 +112,26 @@ def to_decoder_params(config: ModelConfig, part: Part, tensors: dict[str, np.nda
         if config.post_norms:
             norm(f"{dest}.post_attn_norm", f"{src}.post_attention_norm")
             norm(f"{dest}.post_mlp_norm", f"{src}.post_ffw_norm")
-        if gpt2:
-            qkv = take(f"{src}.attn_qkv.weight")  # [3 * H * Dh, D]
-            qkv_bias = take(f"{src}.attn_qkv.bias")
-            projections = dict(zip("qkv", np.split(qkv, 3, axis=0)))
-            biases = dict(zip("qkv", np.split(qkv_bias, 3)))
+        heads = {"q": h, "k": k, "v": k}
+        if gpt2:  # q, k and v in one matrix [3 * H * Dh, D], and their biases in one vector
+            if not all(f"{dest}.attn.{p}.kernel" in in_place for p in "qkv"):
+                for p, rows in zip("qkv", np.split(take(f"{src}.attn_qkv.weight"), 3, axis=0)):
+                    out[f"{dest}.attn.{p}.kernel"] = rows.T.reshape(d, heads[p], dh)
+            for p, bias in zip("qkv", np.split(take(f"{src}.attn_qkv.bias"), 3)):
+                out[f"{dest}.attn.{p}.bias"] = bias.reshape(heads[p], dh)
         else:
-            projections = {p: take(f"{src}.attn_{p}.weight") for p in "qkv"}
-            biases = {}
-            if config.qkv_bias:
-                biases = {p: take(f"{src}.attn_{p}.bias") for p in "qkv"}
+            for p in "qkv":
+                matrix(f"{dest}.attn.{p}.kernel", f"{src}.attn_{p}.weight",
+                       lambda rows, n=heads[p]: rows.T.reshape(d, n, dh))
+                if config.qkv_bias:
+                    out[f"{dest}.attn.{p}.bias"] = take(f"{src}.attn_{p}.bias").reshape(heads[p], dh)
             if config.qk_norm:  # one scale per head dim, shared by the heads
                 out[f"{dest}.attn.q_norm.scale"] = take(f"{src}.attn_q_norm.weight")
                 out[f"{dest}.attn.k_norm.scale"] = take(f"{src}.attn_k_norm.weight")
-        for p, heads in (("q", h), ("k", k), ("v", k)):
-            out[f"{dest}.attn.{p}.kernel"] = projections[p].T.reshape(d, heads, dh)
-            if biases:
-                out[f"{dest}.attn.{p}.bias"] = biases[p].reshape(heads, dh)
-        out[f"{dest}.attn.o.kernel"] = take(f"{src}.attn_output.weight").T.reshape(h, dh, d)
+        matrix(f"{dest}.attn.o.kernel", f"{src}.attn_output.weight", lambda rows: rows.T.reshape(h, dh, d))
         mlp_parts = ("up", "down") if gpt2 else ("gate", "up", "down")
         for mlp_part in mlp_parts:
-            out[f"{dest}.mlp.{mlp_part}.kernel"] = take(f"{src}.ffn_{mlp_part}.weight").T
+            matrix(f"{dest}.mlp.{mlp_part}.kernel", f"{src}.ffn_{mlp_part}.weight", np.transpose)
         if gpt2:
             out[f"{dest}.attn.o.bias"] = take(f"{src}.attn_output.bias")
             for mlp_part in mlp_parts:

@@ -261,15 +261,27 @@ class CheckpointWeights:
                 f"({sum(self.read.values()) / 2**20:.1f} MiB) from {self.path}")
 
     def stage_params(self, abstract_state, shardings, *, layers: range, tied: bool):
-        names = jax.tree_util.tree_map_with_path(lambda p, _: stage_parameter_name(p, layers, tied), abstract_state)
-        flat_names, tree = jax.tree.flatten(names)
-        specs, placements = jax.tree.leaves(abstract_state), jax.tree.leaves(shardings)
-        # A tied embedding appears once.
-        wanted = {name: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=where)
-                  for name, spec, where in zip(flat_names, specs, placements)}
+        return restore_stage(self.restore, abstract_state, shardings, layers=layers, tied=tied)
+
+    def restore(self, wanted: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
+        """The parameters named in `wanted`, each read straight into its sharding and dtype."""
         restored = restore_params(self.path, wanted)
         self.read.update({k: v.size * v.dtype.itemsize for k, v in wanted.items()})
-        return jax.tree.unflatten(tree, [restored[name] for name in flat_names])
+        return restored
+
+
+def restore_stage(restore, abstract_state, shardings, *, layers: range, tied: bool):
+    """A stage's parameters (`abstract_state`: a DecoderStage's, shapes only) placed by `shardings`, each
+    read by `restore` ({name: ShapeDtypeStruct with its sharding} -> {name: array}) under its name in
+    the whole decoder."""
+    names = jax.tree_util.tree_map_with_path(lambda p, _: stage_parameter_name(p, layers, tied), abstract_state)
+    flat_names, tree = jax.tree.flatten(names)
+    specs, placements = jax.tree.leaves(abstract_state), jax.tree.leaves(shardings)
+    # A tied embedding appears once.
+    wanted = {name: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=where)
+              for name, spec, where in zip(flat_names, specs, placements)}
+    restored = restore(wanted)
+    return jax.tree.unflatten(tree, [restored[name] for name in flat_names])
 
 
 def restore_params(path: Path, wanted: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:

@@ -20,6 +20,11 @@ How the threads meet:
    step scheduled are aborted (pages freed) and failed with EngineStepError; the others, waiting
    or running, go on. Any other exception inside a step leaves the engine's state unknown, so it
    fails every request in flight. Either way the thread keeps serving new requests.
+   A request whose event loop has closed (`asyncio.run` returned while it was in flight, a test's
+   own loop) cannot be told anything: its outputs are dropped and it is aborted, and the thread
+   goes on serving the other loops.
+   A request id that is already in flight is refused (a ValueError to the newcomer's iterator);
+   the request holding it keeps its queue.
 6. When the runner is lost (RunnerLost: a follower process died or stalled), nothing can run any
    more: every request in flight fails with that error, the thread ends, `lost` holds the error and
    `on_lost`, if set, is called with it (the server then shuts down and exits non-zero). Requests
@@ -66,6 +71,7 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+    sink: asyncio.Queue  # whose request: a refused duplicate's abort must not end the live request
 
 
 @dataclass(frozen=True)
@@ -123,7 +129,7 @@ class AsyncLLMEngine:
                     return
         finally:
             if not finished:
-                self._inbox.put(_Abort(request_id))
+                self._inbox.put(_Abort(request_id, sink))
 
     # ---- what the event loop may ask: fixed at start-up, so safe from any thread ----------------
     @property
@@ -201,7 +207,7 @@ class AsyncLLMEngine:
                     except queue.Empty:
                         break
                     if isinstance(command, _Add):
-                        command.loop.call_soon_threadsafe(command.sink.put_nowait, failure)
+                        _post(command.loop, [(command.sink, failure)])
                 self._publish()
                 if self.on_lost is not None:
                     self.on_lost(error)
@@ -238,16 +244,19 @@ class AsyncLLMEngine:
 
     def _apply(self, command) -> None:
         if isinstance(command, _Abort):
-            self.engine.abort(command.request_id)
-            self._sinks.pop(command.request_id, None)
+            sink, _ = self._sinks.get(command.request_id, (None, None))
+            if sink is command.sink:
+                self.engine.abort(command.request_id)
+                self._sinks.pop(command.request_id, None)
             return
-        self._sinks[command.request_id] = (command.sink, command.loop)
+        # Refused before its sink is registered: the sink under this id is the live request's.
         try:
             self.engine.add_request(command.prompt_token_ids, command.params, command.request_id, command.prompt,
                                     command.arrival_time)
         except ValueError as error:
-            self._deliver(command.request_id, error)
-            self._sinks.pop(command.request_id, None)
+            _post(command.loop, [(command.sink, error)])
+            return
+        self._sinks[command.request_id] = (command.sink, command.loop)
 
     def _fail(self, request_ids: list[str], error: Exception) -> None:
         """Aborts these requests (their pages are freed) and fails their iterators with `error`."""
@@ -258,8 +267,8 @@ class AsyncLLMEngine:
 
     def _deliver(self, request_id: str, item) -> None:
         sink, loop = self._sinks.get(request_id, (None, None))
-        if sink is not None:
-            loop.call_soon_threadsafe(sink.put_nowait, item)
+        if sink is not None and not _post(loop, [(sink, item)]):
+            self._drop([request_id])
 
     def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs to their requests' queues, in one call into each event loop: every
@@ -273,7 +282,28 @@ class AsyncLLMEngine:
             if output.finished:
                 self._sinks.pop(output.request_id, None)
         for loop, deliveries in by_loop.items():
-            loop.call_soon_threadsafe(_put_each, deliveries)
+            if not _post(loop, deliveries):
+                self._drop([output.request_id for _, output in deliveries])
+
+    def _drop(self, request_ids: list[str]) -> None:
+        """Aborts requests whose event loop has closed: nobody is left to read their outputs, and
+        their pages serve the other requests better."""
+        log.warning("the event loop of %d request(s) has closed; aborting them", len(request_ids))
+        for request_id in request_ids:
+            self.engine.abort(request_id)
+            self._sinks.pop(request_id, None)
+
+
+def _post(loop: asyncio.AbstractEventLoop, deliveries: list) -> bool:
+    """Schedules the (queue, item) puts on `loop`; False where the loop has closed (call_soon_threadsafe
+    raises then, and that must not end the engine thread)."""
+    try:
+        loop.call_soon_threadsafe(_put_each, deliveries)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
+        return False
+    return True
 
 
 def _put_each(deliveries: list) -> None:

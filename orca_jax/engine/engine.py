@@ -65,6 +65,7 @@ class LLMEngine:
         """`runner` executes StepPlans (the ModelRunner, or a mock in scheduler tests)."""
         self.config = config
         self.model_config = model_config
+        self._eos_token_ids = model_config.eos_token_ids  # every request stops at any of them (shared, frozen)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len or model_config.max_position
         self.runner = runner
@@ -102,7 +103,7 @@ class LLMEngine:
         for i in range(params.n):
             seed = params.seed + i if params.seed is not None else random.getrandbits(63)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            request = Request(child_id, list(prompt_token_ids), params, seed, self.model_config.eos_token_id,
+            request = Request(child_id, list(prompt_token_ids), params, seed, self._eos_token_ids,
                               RequestMetrics(arrival_time=arrival))
             detokenizer = None
             if self.tokenizer is not None:
@@ -150,8 +151,12 @@ class LLMEngine:
                 f"the prompt ({len(prompt_ids)} tokens) exceeds max_num_batched_tokens={longest}, the most the "
                 f"'{self.config.scheduler.policy}' policy computes in one step; raise max_num_batched_tokens or "
                 "use the 'chunked' policy")
-        if params.min_tokens > 0 and len(params.stop_token_ids) + 1 > MAX_STOP_IDS:
-            raise RequestRejected(f"with min_tokens, at most {MAX_STOP_IDS - 1} stop_token_ids are supported")
+        if params.min_tokens > 0:  # the sampler suppresses them all until min_tokens: a row holds MAX_STOP_IDS
+            suppressed = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos_token_ids)
+            if len(suppressed) > MAX_STOP_IDS:
+                raise RequestRejected(
+                    f"with min_tokens, at most {MAX_STOP_IDS} stop_token_ids and end-of-sequence ids together are "
+                    f"supported; this model has {len(self._eos_token_ids)} end-of-sequence ids")
         for token in params.stop_token_ids:
             if token >= vocab:
                 raise RequestRejected(f"stop token id {token} is outside the vocabulary [0, {vocab})")

@@ -87,8 +87,17 @@ class OutputProcessor:
             if sampled.token not in entry:
                 entry[sampled.token] = Logprob(sampled.logprob, None, self._token_text(sampled.token))
             sample.logprobs.append(entry)
-        if sample.detokenizer is not None:
+        # The end-of-sequence token that ends a request is not part of its text, special or not (Llama
+        # 3's <|eot_id|>, a GGUF's user-defined <|im_end|>), as in vLLM.
+        if sample.detokenizer is not None and not self._ends_sequence(request, token):
             sample.detokenizer.add(token)
+
+    @staticmethod
+    def _ends_sequence(request: Request, token: int) -> bool:
+        """Whether `token`, the request's newest, is one of the model's end-of-sequence ids and ends it."""
+        params = request.params
+        return (not params.ignore_eos and token in request.eos_token_ids
+                and len(request.output_token_ids) >= params.min_tokens)
 
     def _token_text(self, token: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token])
@@ -102,7 +111,7 @@ class OutputProcessor:
             if token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-            if not params.ignore_eos and token == request.eos_token_id:
+            if self._ends_sequence(request, token):
                 return RequestStatus.FINISHED_STOPPED
             if sample.detokenizer is not None and sample.detokenizer.stopped_by is not None:
                 request.stop_reason = sample.detokenizer.stopped_by

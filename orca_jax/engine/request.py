@@ -13,7 +13,7 @@ from orca_jax.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
+    FINISHED_STOPPED = "stop"  # an end-of-sequence token, a stop token or a stop string
     FINISHED_LENGTH = "length"  # max_tokens reached
     FINISHED_ABORTED = "abort"
 
@@ -43,7 +43,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int  # the sampling seed actually used (params.seed, or one the engine drew)
-    eos_token_id: int | None
+    eos_token_ids: frozenset[int]  # the model's end-of-sequence ids (ModelConfig.eos_token_ids)
     metrics: RequestMetrics  # times, preemptions and prefix-cache hits, as reported to the user
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

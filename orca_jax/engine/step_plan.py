@@ -286,10 +286,8 @@ def sampling_arrays(rows: list[SampleRow], num_rows: int, vocab_size: int) -> Sa
     for row, sample_row in enumerate(rows):
         r = sample_row.request
         if sample_row.token_index < r.params.min_tokens:
-            ids = list(r.params.stop_token_ids)
-            if not r.params.ignore_eos and r.eos_token_id is not None:
-                ids.append(r.eos_token_id)
-            stop_ids[row, :len(ids)] = ids
+            ids = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else r.eos_token_ids)
+            stop_ids[row, :len(ids)] = sorted(ids)
             suppress[row] = True
     # Every step ships the bias arrays (small, fixed shapes): rows without one have zero bias, and
     # the sampler skips the work when no row has one. The token bitmask only when a row has a

@@ -26,13 +26,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from orca_jax.checkpoint.store import flatten_params, restore_params
+from orca_jax.checkpoint.layout import model_parts
+from orca_jax.checkpoint.store import CheckpointWeights, flatten_params
 from orca_jax.config import ConfigError, activations_for
 from orca_jax.model.backends import native_matmuls
 from orca_jax.model.decoder import Decoder
@@ -44,6 +46,9 @@ from pallas_kernels.quantized_matmul import (ACTIVATIONS, BLOCK, INT8_NATIVE_MAX
                                              quantize_int8)
 
 log = logging.getLogger(__name__)
+
+# Where a model's parameters are read from: a checkpoint, or a GGUF file (checkpoint/gguf_weights.py).
+Weights = Any  # CheckpointWeights | GGUFWeights
 
 
 @dataclasses.dataclass
@@ -83,12 +88,15 @@ class _Quantized:
         self.report.quantized_bytes += rows.nbytes + (0 if scales is None else scales.nbytes)
 
 
-def quantize_decoder(model: Decoder, quantization: str, checkpoint_dir: Path, native_max_tokens: int | None = None,
+def quantize_decoder(model: Decoder, quantization: str, weights: Weights | Path,
+                     native_max_tokens: int | None = None,
                      activations: str = "auto") -> tuple[Decoder, QuantizationReport]:
     """A new decoder, `model`'s with its matrices quantized (the given one is left as it is).
-    `model` holds its arrays (load_model) or only their shapes (open_model, as the engine loads):
-    then the float parameters are read from the checkpoint as they are needed, so a GGUF's matrices
-    are never read as floats and int8 holds one layer's float matrices at a time.
+    `weights`: where the model's parameters are, a checkpoint (its directory, or CheckpointWeights)
+    or a GGUF file (GGUFWeights). `model` holds its arrays (load_model) or only their shapes
+    (open_model, as the engine loads): then the float parameters are read from `weights` as they are
+    needed, so a GGUF's matrices are never read as floats and int8 holds one layer's float matrices
+    at a time.
     `native_max_tokens`: the most rows a call sends to the native kernel on CPU (None: the kernel's
     measured crossover with XLA for the activations, NATIVE_MAX_TOKENS or INT8_NATIVE_MAX_TOKENS).
     `activations`: how the quantized matrices take their inputs, "int8" or "float32"
@@ -101,13 +109,13 @@ def quantize_decoder(model: Decoder, quantization: str, checkpoint_dir: Path, na
     if native_max_tokens is None:
         native_max_tokens = INT8_NATIVE_MAX_TOKENS if activations == "int8" else NATIVE_MAX_TOKENS
     quantized = _Quantized(QuantizationReport({}, [], 0, activations=activations))
-    floats = FloatParams(model, Path(checkpoint_dir))
+    if isinstance(weights, (str, Path)):
+        weights = CheckpointWeights(Path(weights))
+    floats = FloatParams(model, weights)
     cpu_native = native_matmuls()
     if quantization == "gguf":
         import_optional("gguf", "quantization='gguf'", ConfigError)  # gguf_import needs it
-        from orca_jax.checkpoint.gguf_import import GGUF_FILE
-
-        _serve_gguf_blocks(model, Path(checkpoint_dir) / GGUF_FILE, quantized,
+        _serve_gguf_blocks(model, weights, quantized,
                            lambda block_type: GGUFBlockLinear(block_type, cpu_native, native_max_tokens, activations))
     else:
         method = Int8Linear(cpu_native, native_max_tokens, activations)
@@ -124,21 +132,21 @@ def quantize_decoder(model: Decoder, quantization: str, checkpoint_dir: Path, na
 
 class FloatParams:
     """A float model's parameters by name ("layers.3.mlp.down.kernel"): its own arrays, or, when it
-    holds only their shapes, read from its checkpoint, just the ones asked for."""
+    holds only their shapes, read from its weights, just the ones asked for."""
 
-    def __init__(self, model: Decoder, checkpoint_dir: Path):
+    def __init__(self, model: Decoder, weights: Weights):
         self.values = nnx.to_pure_dict(nnx.state(model))
         self.names = list(flatten_params(self.values))
-        self.checkpoint_dir = checkpoint_dir
-        self.stored = any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(self.values))
+        self.weights = weights
+        self.shapes_only = any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(self.values))
 
     def read(self, names: list[str]) -> dict[str, jax.Array]:
         found = {name: array_at(self.values, name) for name in names}
-        if not self.stored or not found:
+        if not self.shapes_only or not found:
             return found
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # this process's own (multi-host)
-        return restore_params(self.checkpoint_dir, {name: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=device)
-                                                    for name, spec in found.items()})
+        return self.weights.restore({name: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=device)
+                                     for name, spec in found.items()})
 
 
 # Each layer's matrices by their GGUF tensor name (blk.<i>.<part>.weight) and their path in the layer.
@@ -178,47 +186,63 @@ def _quantize_int8(name: str, path: str, module: Dense | Embed, weights: jax.Arr
     quantized.add(path, module, method, *quantize_int8(_float_rows(module, weights)))
 
 
-def _serve_gguf_blocks(model: Decoder, path: Path, quantized: _Quantized, method_of) -> None:
-    from orca_jax.checkpoint.gguf_import import unpermute_llama_qk
+def _serve_gguf_blocks(model: Decoder, weights: Weights, quantized: _Quantized, method_of) -> None:
+    """Each matrix of the file's `weights` that has a kernel for its block type becomes the file's
+    rows as they are (a fused tensor's rows split among the matrices it holds); the others are named
+    in one log line and computed from float weights."""
+    from orca_jax.checkpoint.gguf_import import (GGUF_FILE, SUPPORTED_ARCHITECTURES, file_matrices, read_raw,
+                                                 unpermute_llama_qk)
     from orca_jax.checkpoint.gguf_reader import GGUFReader
+    from orca_jax.checkpoint.gguf_weights import GGUFWeights
 
-    if not path.is_file():
-        raise ConfigError(f"quantization='gguf' needs the GGUF file the checkpoint was imported from at {path}; "
-                          f"checkpoints pulled or converted before it was kept lack it: run `orca-jax pull --force "
-                          f"{model.config.name}` (or `orca-jax convert <file.gguf> --name {model.config.name}`)")
-    reader = GGUFReader(str(path))
+    if isinstance(weights, GGUFWeights):
+        path, reader = weights.path, weights.reader
+    else:
+        path = weights.path / GGUF_FILE
+        if not path.is_file():
+            raise ConfigError(f"quantization='gguf' needs the GGUF file the checkpoint was imported from at {path}; "
+                              f"checkpoints pulled or converted before it was kept lack it: run `orca-jax pull --force "
+                              f"{model.config.name}` (or `orca-jax convert <file.gguf> --name {model.config.name}`), "
+                              "or serve the .gguf file itself")
+        reader = GGUFReader(str(path))
     arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
-    if arch != "llama":
-        raise ConfigError(f"quantization='gguf' serves llama-architecture GGUFs (their tensors map one to one onto "
-                          f"the decoder's matrices); {path} is {arch!r}: use quantization='int8'")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"quantization='gguf': {path} is of architecture {arch!r}; supported: "
+                          f"{list(SUPPORTED_ARCHITECTURES)}")
     tensors = {t.name: t for t in reader.tensors}
-    heads = {"attn_q": model.config.n_heads, "attn_k": model.config.n_kv_heads}
+    modules = matrices(model)
+    # llama.cpp's converter permutes a llama file's q and k rows for interleaved RoPE; undone as the import does
+    permuted_heads = {"attn.q": model.config.n_heads, "attn.k": model.config.n_kv_heads} if arch == "llama" else {}
     left_in_float: dict[str, list[str]] = {}  # GGUF type -> its tensors that keep the float weights
-    for name, (module_path, module) in _matrices(model).items():
-        tensor = tensors.get(name)
-        if tensor is None or tensor.tensor_type.name not in GGUF_BLOCK_TYPES:
-            left_in_float.setdefault("missing" if tensor is None else tensor.tensor_type.name, []).append(name)
-            quantized.report.float_matrices.append(name)
-            continue
-        method = method_of(tensor.tensor_type.name)
-        rows = np.asarray(tensor.data)  # [out, in / 32 * block bytes], the file's bytes
-        out, inner = module.rows_shape
-        try:
-            check_weights(method.format, rows.shape, inner)
-            if rows.shape[0] != out:
-                raise ValueError(f"{rows.shape[0]} rows where the model has {out} outputs")
-        except ValueError as error:
-            raise ConfigError(f"{path}: {name} does not fit {model.config.name}'s {out} x {inner} matrix ({error}); "
-                              "the GGUF is not the one this checkpoint was imported from: convert it again") from None
-        part = name.split(".")[-2]
-        if part in heads:  # llama.cpp's row order for interleaved RoPE, undone as the import does
-            rows = unpermute_llama_qk(rows, heads[part])
-        quantized.add(module_path, module, method, np.ascontiguousarray(rows), None)
+    for part in model_parts(model.config):
+        for name, paths in file_matrices(model.config, arch, part, tensors).items():
+            tensor = tensors.get(name)
+            if tensor is None or tensor.tensor_type.name not in GGUF_BLOCK_TYPES:
+                left_in_float.setdefault("missing" if tensor is None else tensor.tensor_type.name, []).append(name)
+                quantized.report.float_matrices.append(name)
+                continue
+            method = method_of(tensor.tensor_type.name)
+            rows = read_raw(path, tensor)  # [out, in / block weights * block bytes], the file's bytes
+            outs = [modules[p].rows_shape[0] for p in paths]
+            inner = modules[paths[0]].rows_shape[1]
+            try:
+                check_weights(method.format, rows.shape, inner)
+                if rows.shape[0] != sum(outs):
+                    raise ValueError(f"{rows.shape[0]} rows where the model has {' + '.join(map(str, outs))} outputs")
+            except ValueError as error:
+                raise ConfigError(f"{path}: {name} does not fit {model.config.name}'s {' + '.join(paths)} "
+                                  f"({error}); the GGUF is not the one this model was imported from") from None
+            # A fused tensor's rows are its matrices' rows one after the other: each is a slice of blocks.
+            for module_path, module_rows in zip(paths, np.split(rows, np.cumsum(outs)[:-1])):
+                heads = permuted_heads.get(module_path.split(".", 2)[-1])  # "layers.3.attn.q" -> "attn.q"
+                if heads is not None:
+                    module_rows = unpermute_llama_qk(module_rows, heads)
+                quantized.add(module_path, modules[module_path], method, np.ascontiguousarray(module_rows), None)
     if left_in_float:
         # One line for the whole file: a Q2_K or IQ* file would otherwise log every matrix.
         quantized.report.dequantized_types = set(left_in_float) - {"missing", *FLOAT_TYPES}
-        log.warning("%s: no in-place kernel for %s: computed from the checkpoint's float weights (the import "
-                    "dequantized them); served in place: %s", path.name,
+        log.warning("%s: no in-place kernel for %s: computed from float weights (dequantized exactly); served in "
+                    "place: %s", path.name,
                     "; ".join(f"{kind} ({len(names)}: {_names(names)})" for kind, names in sorted(left_in_float.items())),
                     ", ".join(GGUF_BLOCK_TYPES))
 

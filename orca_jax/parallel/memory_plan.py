@@ -9,6 +9,14 @@ final norm and LM head (a tied head is the embedding matrix, so with pp > 1 both
 
 Every stage gets the same number of KV pages (a sequence's page table indexes every stage's cache),
 so the stage with the least room for pages sets the count for all.
+
+The KV budget of a device, in order: `kv_cache_memory` when given; on an accelerator, what the
+memory utilization x its memory leaves after the parameters; on CPU, the memory utilization x the
+host's free memory after the parameters. The builder caps a CPU budget it chose at what
+`max_num_seqs` sequences of `max_model_len` need (host memory the engine can never use is left to
+the host). When `max_model_len` is not given
+and the budget cannot hold one sequence of the model's context, max_model_len is lowered to the pages
+it can hold; a given one that does not fit is refused.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 from flax import nnx
 
-from orca_jax.config import ConfigError, DType, ModelConfig, ParallelConfig, kv_page_dtype
+from orca_jax.config import CacheConfig, ConfigError, DType, ModelConfig, ParallelConfig, kv_page_dtype
 from orca_jax.model.decoder import abstract_decoder
 from orca_jax.parallel import mesh
 from orca_jax.parallel.layout import check_parallel, kv_heads_for_tp, stage_layer_ranges
@@ -28,10 +36,10 @@ from orca_jax.sizes import format_bytes
 
 # Device memory kept back for everything besides parameters and KV: one step's activations
 # ([T, D] buffers, the MLP's [T, F/tp], [S, V/tp] f32 logits: tens of MB even for 175B at 512
-# tokens), XLA's scratch and compiled programs, and allocator fragmentation. By default 10%, as
-# vLLM's gpu_memory_utilization=0.9: the reserve is what the utilization leaves, (1 - F) x memory.
-RESERVE_FRACTION = 0.10
-DEFAULT_MEMORY_UTILIZATION = 1 - RESERVE_FRACTION
+# tokens), XLA's scratch and compiled programs, and allocator fragmentation. The reserve is what the
+# utilization F leaves, (1 - F) x memory; F's default is the setting's (device_memory_utilization,
+# 0.9 as vLLM's gpu_memory_utilization), declared once in config.py.
+DEFAULT_MEMORY_UTILIZATION = CacheConfig().device_memory_utilization
 
 FIX = "use more devices (larger tensor_parallel_size or pipeline_parallel_size)"
 
@@ -40,7 +48,9 @@ FIX = "use more devices (larger tensor_parallel_size or pipeline_parallel_size)"
 class StagePlan:
     layers: range
     param_bytes: int  # on each of the stage's tp devices
-    kv_bytes_per_page: int  # on each device: stage layers x (K, V) x page_size x local KV heads x head_dim x itemsize
+    # on each device: stage layers x (K, V) x page_size x local KV heads x head_dim x itemsize, plus on the
+    # last stage a draft model's pages
+    kv_bytes_per_page: int
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,9 @@ class MemoryPlan:
     reserve_bytes: int  # per device, kept for activations and workspace (0 without device_memory)
     num_pages: int  # KV pages, the same on every device
     memory_utilization: float = DEFAULT_MEMORY_UTILIZATION  # of device_memory, parameters + KV
+    host_memory: int | None = None  # the host's free memory the KV budget came from (CPU), else None
+    capped_at_seqs: int | None = None  # max_num_seqs, when the budget was capped at its sequences (CPU)
+    lowered_from: int | None = None  # the model's context length, when max_model_len was lowered to fit
 
     @property
     def param_bytes(self) -> int:
@@ -85,6 +98,23 @@ class MemoryPlan:
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         return f"tp {tp} x pp {pp} = {tp * pp} device{'s' if tp * pp > 1 else ''}"
 
+    def _kv_source(self) -> str:
+        """Where the KV budget came from, for the summaries ("" when kv_cache_memory gave it)."""
+        return _budget_source(self.memory_utilization, self.device_memory, self.host_memory,
+                              self.tensor_parallel_size * self.pipeline_parallel_size)
+
+    def _cap(self) -> str:
+        return "" if self.capped_at_seqs is None else f", capped at max_num_seqs={self.capped_at_seqs}"
+
+    def lowered_note(self) -> str | None:
+        """The line saying max_model_len was lowered to fit the KV cache, None when it was not."""
+        if self.lowered_from is None:
+            return None
+        source = f" from {self._kv_source()}" if self._kv_source() else ""
+        return (f"max_model_len lowered from {self.model_name}'s context length {self.lowered_from} to "
+                f"{self.max_model_len} tokens, all the KV cache holds ({format_bytes(self.kv_bytes)} per device"
+                f"{source}); more memory for the KV cache gives a longer one")
+
     def summary(self) -> str:
         memory = "" if self.device_memory is None else f", {format_bytes(self.device_memory)} each"
         stages = ", ".join(f"{s.layers.start}-{s.layers.stop - 1}" for s in self.stages)
@@ -97,18 +127,22 @@ class MemoryPlan:
                f", reserve {format_bytes(self.reserve_bytes)} ({1 - self.memory_utilization:.0%}) for activations and "
                "workspace"),
             f"  KV: {self.num_pages} pages x {self.page_size} tokens ({format_bytes(self.kv_bytes_per_page)} each) = "
-            f"{self.num_tokens} tokens = {self.num_full_sequences} sequences of {self.max_model_len} tokens",
+            f"{self.num_tokens} tokens = {self.num_full_sequences} sequences of {self.max_model_len} tokens"
+            f"{self._cap()}",
         ]
+        if self.host_memory is not None:
+            lines.append(f"  KV budget: {self._kv_source()}")
+        if self.lowered_from is not None:
+            lines.append(f"  {self.lowered_note()}")
         return "\n".join(lines)
 
     def one_line(self) -> str:
-        memory = ("" if self.device_memory is None else
-                  f" of {self.memory_utilization:g} x {format_bytes(self.device_memory)} per device")
+        memory = f" of {self._kv_source()}" if self._kv_source() else ""
         return (
             f"memory plan: {self.model_name} {self.dtype} {self._layout()}{memory}: "
             f"parameters {format_bytes(self.param_bytes)}/device, KV {self.num_pages} pages x {self.page_size} = "
             f"{self.num_tokens} tokens ({format_bytes(self.kv_bytes)}/device, "
-            f"{self.num_full_sequences} x {self.max_model_len}-token sequences)"
+            f"{self.num_full_sequences} x {self.max_model_len}-token sequences{self._cap()})"
         )
 
 
@@ -175,35 +209,46 @@ def plan_memory(
     max_model_len: int | None = None,
     device_memory: int | None = None,
     kv_cache_memory: int | None = None,
+    host_memory: int | None = None,
+    max_num_seqs: int | None = None,
     dtype: DType | None = None,
     kv_cache_dtype: str = "auto",
     memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
     loaded_model=None,
+    draft_kv_bytes_per_page: int = 0,
 ) -> MemoryPlan:
     """Plans parameters and KV pages per device, or raises ConfigError naming the shortfall and fix.
 
     `device_memory`: bytes the engine may use on each device (note JAX preallocates 75% of a GPU by
     default: pass that figure, or raise XLA_PYTHON_CLIENT_MEM_FRACTION). `kv_cache_memory`: KV bytes
-    per device; without it the KV cache takes what parameters and the reserve leave.
-    `max_model_len` defaults to the model's context length; `dtype` overrides the model's;
-    `kv_cache_dtype` is the KV pages' ("auto": the model's). `memory_utilization` (vLLM's
-    gpu_memory_utilization): the fraction of `device_memory` for parameters and KV; the rest is the
-    reserve. `loaded_model`: the Decoder as it will be placed, when its arrays differ from what
-    `model`'s dtype implies (quantized matrices: their own bytes count, not float ones).
+    per device; without it the KV cache takes what parameters and the reserve leave. `host_memory`
+    (CPU, when neither is given): the host's free memory, which the layout's devices share; a
+    device's KV cache gets `memory_utilization` x (its share - its parameters). `max_num_seqs`: when
+    given, the pages are capped at what that many sequences of max_model_len take (on CPU, where
+    memory the engine can never use is better left to the host). `max_model_len` defaults to the
+    model's context length, lowered to the pages the cache holds when it holds less (`lowered_from`
+    says so); a given one that does not fit is refused. `dtype` overrides the model's; `kv_cache_dtype` is the
+    KV pages' ("auto": the model's). `memory_utilization` (vLLM's gpu_memory_utilization): the
+    fraction of `device_memory` for parameters and KV; the rest is the reserve. `loaded_model`: the
+    Decoder as it will be placed, when its arrays differ from what `model`'s dtype implies
+    (quantized matrices: their own bytes count, not float ones). `draft_kv_bytes_per_page`: a draft
+    model's KV bytes per page on each device of the last stage, which holds the draft's pages
+    beside the target's, as many.
     """
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     if dtype is not None:
         model = dataclasses.replace(model, dtype=dtype)
     check_parallel(model, parallel)
-    max_model_len = model.max_position if max_model_len is None else max_model_len
-    if page_size < 1 or max_model_len < 1:
+    if page_size < 1 or (max_model_len is not None and max_model_len < 1):
         raise ConfigError(f"page_size and max_model_len must be positive, got {page_size} and {max_model_len}")
-    if max_model_len > model.max_position:
+    if max_model_len is not None and max_model_len > model.max_position:
         raise ConfigError(f"max_model_len={max_model_len} exceeds {model.name!r}'s context length {model.max_position}")
-    if device_memory is None and kv_cache_memory is None:
-        raise ConfigError("give device_memory (bytes per device) or kv_cache_memory (KV bytes per device)")
+    if device_memory is None and kv_cache_memory is None and host_memory is None:
+        raise ConfigError("give device_memory (bytes per device), kv_cache_memory (KV bytes per device) or "
+                          "host_memory (the host's free memory, on CPU)")
     if not 0 < memory_utilization <= 1:
         raise ConfigError(f"memory utilization {memory_utilization} must be in (0, 1], e.g. 0.9")
+    from_host = kv_cache_memory is None and device_memory is None
 
     # The runtime model: KV heads replicated up to tp (the K/V projections then have tp heads).
     kv_heads = kv_heads_for_tp(model, tp)
@@ -216,7 +261,8 @@ def plan_memory(
             param_bytes[stage] += _bytes_per_device(shape, axes, itemsize, tp)
     itemsize = jnp.dtype(kv_page_dtype(kv_cache_dtype, model.dtype)).itemsize
     stages = tuple(
-        StagePlan(r, param_bytes[s], len(r) * 2 * page_size * (kv_heads // tp) * model.head_dim * itemsize)
+        StagePlan(r, param_bytes[s], len(r) * 2 * page_size * (kv_heads // tp) * model.head_dim * itemsize
+                  + (draft_kv_bytes_per_page if s == pp - 1 else 0))
         for s, r in enumerate(ranges)
     )
     largest = max(stages, key=lambda s: s.param_bytes)
@@ -234,9 +280,24 @@ def plan_memory(
             )
 
     # KV budget of each stage; a stage's budget / its page size bounds the shared page count.
-    budgets = [
-        kv_cache_memory if kv_cache_memory is not None else device_memory - reserve - s.param_bytes for s in stages
-    ]
+    if kv_cache_memory is not None:
+        budgets = [kv_cache_memory] * pp
+    elif device_memory is not None:
+        budgets = [device_memory - reserve - s.param_bytes for s in stages]
+    else:
+        # On CPU the parameters come out of the host's free memory first; the utilization's share of
+        # the rest is the KV cache's, and what it leaves is the host's (activations, compiled
+        # programs, other processes), as the reserve is on an accelerator.
+        share = host_memory // (tp * pp)
+        if largest.param_bytes > share:
+            raise ConfigError(
+                f"{model.name} ({model.dtype}) does not fit this host's free memory on tp {tp} x pp {pp}: parameters "
+                f"need {format_bytes(largest.param_bytes)} per device, and {format_bytes(host_memory)} free shared by "
+                f"{tp * pp} device(s) leaves {format_bytes(share)} each, short by "
+                f"{format_bytes(largest.param_bytes - share)}; free memory on the host, or run a smaller dtype or "
+                "a quantized model"
+            )
+        budgets = [int((share - s.param_bytes) * memory_utilization) for s in stages]
     if kv_cache_memory is not None and device_memory is not None:
         over = largest.param_bytes + reserve + kv_cache_memory - device_memory
         if over > 0:
@@ -249,16 +310,52 @@ def plan_memory(
     # The runner adds one scratch page (padding writes) beyond these, which the reserve covers.
     num_pages = min(budget // s.kv_bytes_per_page for budget, s in zip(budgets, stages))
 
+    # Not given, max_model_len is the model's context, or the whole pages the cache holds when that
+    # is less: a model trained for 128K tokens still starts where its full context does not fit.
+    lowered_from = None
+    if max_model_len is None:
+        max_model_len = model.max_position
+        if 0 < num_pages < math.ceil(max_model_len / page_size):
+            lowered_from, max_model_len = max_model_len, num_pages * page_size
+
+    source = (_budget_source(memory_utilization, device_memory, host_memory if from_host else None, tp * pp)
+              or f"kv_cache_memory={format_bytes(kv_cache_memory)}")
     pages_per_sequence = math.ceil(max_model_len / page_size)
     if num_pages < pages_per_sequence:
         short = max(pages_per_sequence * s.kv_bytes_per_page - budget for budget, s in zip(budgets, stages))
+        lower = f"Lower max_model_len to {num_pages * page_size} or less" if num_pages else "Lower max_model_len"
         raise ConfigError(
-            f"{model.name} on tp {tp} x pp {pp}: the KV cache holds {num_pages * page_size} tokens per device, "
-            f"less than one sequence of max_model_len={max_model_len}; short by {format_bytes(short)} per device. "
-            f"Lower max_model_len, give the KV cache more memory, or {FIX}"
+            f"{model.name} on tp {tp} x pp {pp}: the KV cache holds {num_pages * page_size} tokens per device "
+            f"({source}), less than one sequence of max_model_len={max_model_len}; short by {format_bytes(short)} "
+            f"per device. {lower}, or give the KV cache more memory {_more_kv_memory(kv_cache_memory, from_host)}"
         )
+
+    # At most max_num_seqs sequences of max_model_len are in the cache at once.
+    capped_at_seqs = None
+    if max_num_seqs is not None and num_pages > max_num_seqs * pages_per_sequence:
+        num_pages, capped_at_seqs = max_num_seqs * pages_per_sequence, max_num_seqs
     return MemoryPlan(
         model_name=model.name, dtype=model.dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp,
         kv_heads=kv_heads, page_size=page_size, max_model_len=max_model_len, stages=stages,
         device_memory=device_memory, reserve_bytes=reserve, num_pages=num_pages, memory_utilization=memory_utilization,
+        host_memory=host_memory if from_host else None, capped_at_seqs=capped_at_seqs, lowered_from=lowered_from,
     )
+
+
+def _budget_source(utilization: float, device_memory: int | None, host_memory: int | None, devices: int) -> str:
+    """Where a KV budget the plan derived came from; "" when kv_cache_memory gave it."""
+    if host_memory is not None:
+        share = "" if devices == 1 else f" / {devices} devices"
+        return f"{utilization:g} x ({format_bytes(host_memory)} free host memory{share} - parameters)"
+    if device_memory is not None:
+        return f"{utilization:g} x {format_bytes(device_memory)} per device"
+    return ""
+
+
+def _more_kv_memory(kv_cache_memory: int | None, from_host: bool) -> str:
+    """How to give the KV cache more memory, for a budget from each source."""
+    if kv_cache_memory is not None:
+        return f"(raise kv_cache_memory), or {FIX}"
+    if from_host:  # more CPU devices share the same host: they add no memory
+        return "(free memory on the host, raise the memory utilization or give kv_cache_memory)"
+    return f"(raise the memory utilization), or {FIX}"

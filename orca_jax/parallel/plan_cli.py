@@ -11,7 +11,8 @@ import sys
 import typing
 from pathlib import Path
 
-from orca_jax.config import DEFAULT_MODEL, CacheConfig, ConfigError, DType, ModelConfig, ParallelConfig, load_toml
+from orca_jax.config import (DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_MODEL, CacheConfig, ConfigError, DType,
+                             ModelConfig, ParallelConfig, SchedulerConfig, load_toml)
 from orca_jax.config import load_model_preset, model_preset_names
 from orca_jax.sizes import byte_size
 
@@ -23,10 +24,16 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="stages the layers are split into")
     parser.add_argument("--device-memory", type=byte_size,
                         help="memory of each device, e.g. 40GiB; the KV cache gets what parameters and the reserve "
-                             "leave")
+                             "leave. Without it or --kv-cache-memory: this host's free memory, as the engine on CPU")
     parser.add_argument("--kv-cache-memory", type=byte_size, help="KV cache bytes per device, e.g. 4GiB")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, dest="memory_utilization",
-                        help="fraction of --device-memory for parameters and KV (default 0.9); the rest is the reserve")
+    utilization = CacheConfig().device_memory_utilization
+    parser.add_argument("--gpu-memory-utilization", type=float, default=utilization, dest="memory_utilization",
+                        help=f"fraction of --device-memory for parameters and KV (default {utilization:g}); the rest "
+                             "is the reserve. On CPU: of the host's free memory after the parameters, for KV")
+    max_num_seqs = SchedulerConfig().max_num_seqs
+    parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
+                        help=f"requests running at once (default {max_num_seqs}): without --device-memory or "
+                             "--kv-cache-memory the KV cache holds at most this many sequences of max_model_len")
     parser.add_argument("--page-size", type=int, default=CacheConfig().page_size, help="tokens per KV page")
     parser.add_argument("--max-model-len", type=int, help="tokens per sequence (default: the model's context length)")
     parser.add_argument("--dtype", choices=typing.get_args(DType), help="override the model's parameter dtype")
@@ -54,15 +61,23 @@ def resolve_model_config(name_or_path: str) -> ModelConfig:
 
 def plan_command(args: argparse.Namespace) -> int:
     """Prints the plan and returns 0, or prints `error: ...` to stderr and returns 2."""
+    from orca_jax.host_memory import available_host_memory
     from orca_jax.parallel.memory_plan import plan_memory
 
     try:
         parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                   pipeline_parallel_size=args.pipeline_parallel_size)
+        kv_cache_memory, host_memory, max_num_seqs = args.kv_cache_memory, None, None
+        if args.device_memory is None and kv_cache_memory is None:
+            # As the engine on CPU sizes its cache (runner/builder.py): from this host's free memory
+            # (the fixed default where it is unknown), at most what max_num_seqs sequences take.
+            host_memory, max_num_seqs = available_host_memory(), args.max_num_seqs
+            if host_memory is None:
+                kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
         plan = plan_memory(
             resolve_model_config(args.model), parallel, page_size=args.page_size, max_model_len=args.max_model_len,
-            device_memory=args.device_memory, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
-            memory_utilization=args.memory_utilization,
+            device_memory=args.device_memory, kv_cache_memory=kv_cache_memory, host_memory=host_memory,
+            max_num_seqs=max_num_seqs, dtype=args.dtype, memory_utilization=args.memory_utilization,
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

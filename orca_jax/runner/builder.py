@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import sys
-from typing import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,14 +23,20 @@ from orca_jax.checkpoint.store import (CheckpointWeights, LoadedModel, load_mode
 from orca_jax.config import DEFAULT_CPU_KV_CACHE_MEMORY, ConfigError, EngineConfig, ModelConfig, kv_page_dtype
 from orca_jax.parallel.layout import kv_heads_for_tp
 from orca_jax.engine.engine import LLMEngine
+from orca_jax.host_memory import available_host_memory
 from orca_jax.runner.model_runner import ModelRunner
 from orca_jax.runner.speculation import DraftModelProposer, NgramProposer
 from orca_jax.engine.step_plan import Buckets
+from orca_jax.optional import import_optional
+from orca_jax.paths import is_gguf_file
 from orca_jax.tokenizer import Tokenizer
 from orca_jax.model.decoder import abstract_decoder
 from orca_jax.parallel.memory_plan import plan_memory
 from orca_jax.parallel.plan_cli import resolve_model_config
 from orca_jax.parallel.multihost import DistributedConfig, PlanSender, job_devices
+
+if TYPE_CHECKING:
+    from orca_jax.checkpoint.gguf_weights import GGUFWeights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +59,9 @@ def build_engine(config: EngineConfig, options: BuildOptions = BuildOptions(),
     if distributed is not None:
         runner.followers = PlanSender(distributed, runner.layout_settings(), runner.last_stage_process)
     runner.warm_up(show_progress=options.show_progress)
-    engine = LLMEngine(config, loaded.config, runner, loaded.tokenizer, max_model_len)
-    freeze_start_up_objects()
-    return engine
+    # No gc.freeze here: it would freeze the caller's whole heap (a notebook's cycles never collected
+    # again). The server, whose process is the engine's own, calls freeze_start_up_objects.
+    return LLMEngine(config, loaded.config, runner, loaded.tokenizer, max_model_len)
 
 
 def freeze_start_up_objects() -> None:
@@ -64,7 +71,11 @@ def freeze_start_up_objects() -> None:
     many requests decode: at 256 requests they took 1.7 ms a step, a quarter of the host's work
     (bench/bench_host_overhead.py, AMD EPYC Zen 4). Frozen objects are still freed when their last
     reference goes (the engine holds no reference cycle); only cycles among them are never collected.
-    The garbage of start-up is collected first."""
+    The garbage of start-up is collected first.
+
+    It freezes everything in the process, not only the engine's objects, so only a process that is
+    the engine's own calls it: `orca-jax serve`, once the engine is built. `LLM` does not (a caller
+    may, after building it: docs/offline.md)."""
     gc.collect()
     gc.freeze()
 
@@ -73,46 +84,60 @@ def build_runner(config: EngineConfig, options: BuildOptions = BuildOptions(), l
                  devices: list | None = None, distributed: DistributedConfig | None = None):
     """The runner, not yet warmed up (a follower process compiles its own stages' programs, then
     runs the leader's warm-up step as a plan). Returns (runner, loaded model, max_model_len)."""
+    # Before this build loads anything: the memory plan takes the weights out of it. (A model passed
+    # in holds its arrays already, so they count twice: the cache errs small.)
+    free_host_memory = available_host_memory()
     weights = None  # a given model's own arrays
     if devices is None and distributed is not None:
         devices = job_devices(distributed)
     if loaded is None:
         platform = devices[0].platform if devices else jax.default_backend()
-        loaded = _load(config, options, platform, pull=distributed is None)
-        weights = DummyWeights(config.dummy_seed) if config.load_format == "dummy" else CheckpointWeights(loaded.path)
+        loaded, weights = _load(config, options, platform, pull=distributed is None)
     elif config.dtype not in ("auto", loaded.config.dtype):
         raise ConfigError(f"dtype={config.dtype!r} but the given model is loaded in {loaded.config.dtype}; "
                           "load it with load_model(..., dtype=...)")
-    if config.quantization != "none":
+    quantization = config.effective_quantization
+    if quantization != "none":
         if config.load_format == "dummy":
-            raise ConfigError(f"quantization={config.quantization!r} quantizes a checkpoint's weights; with "
+            raise ConfigError(f"quantization={quantization!r} quantizes a checkpoint's weights; with "
                               "load_format='dummy' use quantization='none'")
         # The quantized model holds its own arrays (tensor_parallel_size is 1): quantizing reads the
-        # float parameters it needs from the checkpoint, not the per-stage restore.
+        # float parameters it needs from the checkpoint or file, not the per-stage restore.
+        loaded = quantized(loaded, weights or stored_weights(loaded.path), quantization,
+                           options.show_progress, config.quantization_activations)
         weights = None
-        loaded = quantized(loaded, config.quantization, options.show_progress, config.quantization_activations)
     model_config = loaded.config
-    max_model_len = config.max_model_len or model_config.max_position
-    if max_model_len > model_config.max_position:
-        raise ConfigError(f"max_model_len={max_model_len} exceeds {model_config.name}'s context length of "
+    if config.max_model_len is not None and config.max_model_len > model_config.max_position:
+        raise ConfigError(f"max_model_len={config.max_model_len} exceeds {model_config.name}'s context length of "
                           f"{model_config.max_position} tokens; lower it")
-    # Checks the layout (tp divisibility, stages) and sizes the pages per device, from the devices'
-    # memory or kv_cache_memory; refuses a layout that does not fit, or a cache that cannot hold one
-    # max-length sequence, before any weight is read.
+    # Checks the layout (tp divisibility, stages) and sizes the pages per device (kv_cache_memory, the
+    # devices' memory, or on CPU the host's); refuses a layout that does not fit, or a cache that
+    # cannot hold one sequence of a given max_model_len, before the target's weights are placed. Not
+    # given, max_model_len is the model's context or, where that does not fit, what does.
     cache = config.cache
     device_memory = _device_memory(devices)
     kv_cache_memory = cache.kv_cache_memory
+    host_memory = max_num_seqs = None
     if kv_cache_memory is None and device_memory is None:
-        kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
-    plan = plan_memory(model_config, config.parallel, page_size=cache.page_size, max_model_len=max_model_len,
-                       device_memory=device_memory, kv_cache_memory=kv_cache_memory,
-                       kv_cache_dtype=cache.kv_cache_dtype, memory_utilization=cache.device_memory_utilization,
-                       loaded_model=loaded.model if config.quantization != "none" else None)
+        # On CPU the budget is the engine's choice, not the user's: host memory that max_num_seqs
+        # sequences can never use stays the host's (on an accelerator it is the engine's anyway).
+        max_num_seqs = config.scheduler.max_num_seqs
+        # Each host's free memory differs, and the processes of a multi-process job must size the
+        # same cache (they compare their page counts at start-up): there the fixed default sizes it.
+        host_memory = free_host_memory if distributed is None else None
+        if host_memory is None:
+            kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
     proposer = proposer_of(config, loaded)
-    num_pages = plan.num_pages
-    if isinstance(proposer, DraftModelProposer):
-        num_pages = pages_beside_draft(plan, proposer, config, max_model_len)
-    runner = ModelRunner(loaded.model, config, num_pages=num_pages, max_model_len=max_model_len,
+    plan = plan_memory(model_config, config.parallel, page_size=cache.page_size, max_model_len=config.max_model_len,
+                       device_memory=device_memory, kv_cache_memory=kv_cache_memory, host_memory=host_memory,
+                       max_num_seqs=max_num_seqs,
+                       kv_cache_dtype=cache.kv_cache_dtype, memory_utilization=cache.device_memory_utilization,
+                       loaded_model=loaded.model if quantization != "none" else None,
+                       draft_kv_bytes_per_page=draft_kv_bytes_per_page(proposer, config))
+    if plan.lowered_from is not None:  # shown even without progress output: it changes what requests may ask
+        print(f"orca_jax: {plan.lowered_note()}", file=sys.stderr)
+    max_model_len = plan.max_model_len
+    runner = ModelRunner(loaded.model, config, num_pages=plan.num_pages, max_model_len=max_model_len,
                          buckets=bucket_set(config, options), devices=devices,
                          step_timeout=None if distributed is None else distributed.step_timeout,
                          proposer=proposer, weights=weights)
@@ -157,32 +182,33 @@ def check_same_tokenizer(name: str, draft: LoadedModel, target: LoadedModel) -> 
                           f"tokens, e.g. {differ}): a draft model must share the target's tokenizer")
 
 
-def pages_beside_draft(plan, proposer: DraftModelProposer, config: EngineConfig, max_model_len: int) -> int:
-    """The page count when the last stage's KV budget holds the draft's pages too (same count, same
-    page size; the draft's parameters are small and left to the reserve)."""
+def draft_kv_bytes_per_page(proposer, config: EngineConfig) -> int:
+    """A draft model's KV bytes per page on each device of the last stage, which holds the draft's
+    pages beside the target's, as many (its parameters are small and left to the reserve); 0 without
+    a draft model."""
+    if not isinstance(proposer, DraftModelProposer):
+        return 0
     tp = config.parallel.tensor_parallel_size
     draft = proposer.config
     itemsize = jnp.dtype(kv_page_dtype(config.cache.kv_cache_dtype, draft.dtype)).itemsize
     heads_per_device = kv_heads_for_tp(draft, tp) // tp
-    draft_page = draft.n_layers * 2 * config.cache.page_size * heads_per_device * draft.head_dim * itemsize
-    last = plan.stages[-1].kv_bytes_per_page
-    num_pages = plan.num_pages * last // (last + draft_page)
-    if num_pages * config.cache.page_size < max_model_len:
-        raise ConfigError(f"with the draft model {proposer.name!r}'s KV pages beside the target's, the KV cache holds "
-                          f"{num_pages * config.cache.page_size} tokens, less than one sequence of max_model_len="
-                          f"{max_model_len}; give the KV cache more memory or lower max_model_len")
-    return num_pages
+    return draft.n_layers * 2 * config.cache.page_size * heads_per_device * draft.head_dim * itemsize
 
 
-def _load(config: EngineConfig, options: BuildOptions, platform: str, pull: bool) -> LoadedModel:
-    """The model as `config.load_format` says, as shapes only (the runner restores or makes each
-    stage's weights on its devices): a checkpoint's (pulled first when `pull`: several processes
-    pulling into one folder would race), or a preset's for "dummy". `config.tokenizer` replaces
-    the model's tokenizer."""
+def _load(config: EngineConfig, options: BuildOptions, platform: str,
+          pull: bool) -> tuple[LoadedModel, CheckpointWeights | GGUFWeights | DummyWeights]:
+    """The model as `config.load_format` says, as shapes only, and where its weights are (the runner
+    restores or makes each stage's weights on its devices): a checkpoint's (pulled first when
+    `pull`: several processes pulling into one folder would race), a GGUF file's, or a preset's
+    for "dummy". `config.tokenizer` replaces the model's tokenizer."""
     dummy = config.load_format == "dummy"
     if pull and not dummy:
         ensure_pulled(config.model, log=lambda message: print(message, file=sys.stderr))
-    stored = resolve_model_config(config.model) if dummy else read_model_config(config.model)
+    gguf_file = None if dummy or not is_gguf_file(config.model) else open_gguf_file(config.model)
+    if gguf_file is not None:
+        stored = gguf_file.imported.config
+    else:
+        stored = resolve_model_config(config.model) if dummy else read_model_config(config.model)
     dtype = run_dtype(config.dtype, stored.dtype, platform)
     if dtype != stored.dtype and config.dtype == "auto" and options.show_progress:
         print(f"orca_jax: {stored.name} is stored in {stored.dtype}; running it in {dtype} on {platform}, "
@@ -194,11 +220,38 @@ def _load(config: EngineConfig, options: BuildOptions, platform: str, pull: bool
         loaded = LoadedModel(model_config, abstract_decoder(model_config), own and Tokenizer.load(own), directory)
         print(f"orca_jax: --load-format dummy: the weights of {model_config.name} are RANDOM (seed {config.dummy_seed}); "
               "the outputs mean nothing: for trying layouts and speed", file=sys.stderr)
+    elif gguf_file is not None:
+        model_config = dataclasses.replace(stored, dtype=dtype)
+        loaded = LoadedModel(model_config, abstract_decoder(model_config), gguf_file.imported.tokenizer, gguf_file.path)
     else:
         loaded = open_model(config.model, dtype=dtype)
     if config.tokenizer is not None:
         loaded.tokenizer = borrowed_tokenizer(config.tokenizer, loaded.config)
-    return loaded
+    if dummy:
+        return loaded, DummyWeights(config.dummy_seed)
+    return loaded, gguf_file or CheckpointWeights(loaded.path)
+
+
+def open_gguf_file(path) -> GGUFWeights:
+    """A GGUF file served as it is; a missing or unreadable file is a ConfigError saying so."""
+    path = Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise ConfigError(f"model={str(path)!r}: no such GGUF file; give the path of a .gguf file, a checkpoint "
+                          "directory or a preset name")
+    import_optional("gguf", f"serving {path}", ConfigError)
+    from orca_jax.checkpoint.gguf_weights import GGUFWeights
+
+    try:
+        return GGUFWeights.open(path)
+    except (OSError, ValueError, KeyError, IndexError) as error:
+        # gguf's reader fails on a truncated or foreign file with whatever it tripped over; the import
+        # names what it does not support (architecture, tokenizer, rope scaling) itself.
+        raise ConfigError(f"cannot serve {path} as a GGUF model: {error}") from error
+
+
+def stored_weights(path: Path) -> CheckpointWeights | GGUFWeights:
+    """Where a loaded model's weights are: the GGUF file it was opened from, or its checkpoint."""
+    return open_gguf_file(path) if is_gguf_file(path) else CheckpointWeights(path)
 
 
 def borrowed_tokenizer(name_or_path: str, model: ModelConfig) -> Tokenizer:
@@ -219,7 +272,7 @@ def borrowed_tokenizer(name_or_path: str, model: ModelConfig) -> Tokenizer:
 def _device_memory(devices: list | None) -> int | None:
     """The smallest memory JAX gives any of this process's accelerators (bytes_limit: on a GPU, the
     share XLA_PYTHON_CLIENT_MEM_FRACTION allows, 75% by default), or None on CPU, which reports none
-    (kv_cache_memory then sizes the cache)."""
+    (the host's free memory then sizes the cache)."""
     local = [d for d in (devices or jax.devices()) if d.process_index == jax.process_index()]
     if local[0].platform == "cpu":
         return None
@@ -227,12 +280,13 @@ def _device_memory(devices: list | None) -> int | None:
     return min(limits) if all(limits) else None
 
 
-def quantized(loaded: LoadedModel, quantization: str, show_progress: bool, activations: str) -> LoadedModel:
+def quantized(loaded: LoadedModel, weights, quantization: str, show_progress: bool, activations: str) -> LoadedModel:
     """The loaded model with its matrices quantized (a copy: a model the caller passed in stays float),
-    taking their inputs as the `activations` setting says (auto, int8 or float32)."""
+    its parameters read from `weights` (CheckpointWeights or GGUFWeights) where it holds only their
+    shapes, taking their inputs as the `activations` setting says (auto, int8 or float32)."""
     from orca_jax.model.quantization import quantize_decoder
 
-    model, report = quantize_decoder(loaded.model, quantization, loaded.path, activations=activations)
+    model, report = quantize_decoder(loaded.model, quantization, weights, activations=activations)
     if show_progress:
         print(f"orca_jax: --quantization {quantization}: {report.one_line()}", file=sys.stderr)
     return dataclasses.replace(loaded, model=model)

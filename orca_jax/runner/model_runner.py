@@ -120,8 +120,8 @@ class ModelRunner:
         self.kv_dtype = jnp.dtype(kv_page_dtype(settings.cache.kv_cache_dtype, config.dtype))
         self.matmul_precision = matmul_precision_for(settings.matmul_precision, config.dtype)
         self.weights = weights
-        self.quantization = settings.quantization
-        self.quantization_activations = activations_for(settings.quantization_activations, settings.quantization)
+        self.quantization = settings.effective_quantization
+        self.quantization_activations = activations_for(settings.quantization_activations, self.quantization)
         self.buckets = buckets
         self.max_in_flight = parallel.pipeline_parallel_size
         platform = meshes[0].devices.flat[0].platform

@@ -267,8 +267,8 @@ def main(argv: list[str] | None = None) -> None:
         "device_memory": memory, "platform": llm.runner.stages[0].mesh.devices.flat[0].platform,
         "max_model_len": llm.engine.max_model_len, "page_size": llm.runner.page_size,
         "vocab_size": llm.engine.model_config.vocab_size,
-        "special_token_ids": [t for t in (llm.engine.model_config.bos_token_id, llm.engine.model_config.eos_token_id)
-                              if t is not None],
+        "special_token_ids": sorted({llm.engine.model_config.bos_token_id, *llm.engine.model_config.eos_token_ids}
+                                    - {None}),
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 

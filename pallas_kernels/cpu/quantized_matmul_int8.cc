@@ -8,6 +8,7 @@
 #pragma GCC optimize("fp-contract=off")
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>

@@ -158,10 +158,11 @@ def test_family_switches_round_trip_and_are_validated(tmp_path):
 
 # ---- the same families from GGUF files, written as llama.cpp's converter writes them ----
 
-def write_gguf_like_llama_cpp(family: str, path, **metadata_overrides):
+def write_gguf_like_llama_cpp(family: str, path, matrix_types=None, **metadata_overrides):
     """The HF fixture as a GGUF: llama.cpp's tensor names, Phi-3's gate/up kept fused as ffn_up,
     Gemma's norms stored as 1 + w, the architecture's metadata keys; a byte-level BPE vocabulary
-    with Qwen2's pre-tokenizer."""
+    with Qwen2's pre-tokenizer. `matrix_types`: a gguf.GGMLQuantizationType, or a function of the
+    tensor's name giving one, for each weight matrix (default: F32)."""
     import json
 
     import gguf
@@ -198,7 +199,14 @@ def write_gguf_like_llama_cpp(family: str, path, **metadata_overrides):
     writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
     writer.add_token_merges([])
     for name, array in tensors.items():
-        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        qtype = None
+        if matrix_types is not None and array.ndim == 2 and name.endswith(".weight"):
+            qtype = matrix_types(name) if callable(matrix_types) else matrix_types
+        if qtype is None or qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,6 +1,8 @@
 """The engine thread with asyncio callers: concurrency, cancellation, rejection, step failures."""
 
 import asyncio
+import contextlib
+import threading
 
 import pytest
 
@@ -19,9 +21,32 @@ def async_engine(tiny_runner, tiny_trained):
     engine.shutdown(timeout=30)
 
 
-async def collect(async_engine, prompt, params):
-    outputs = [out async for out in async_engine.generate(prompt, params)]
+async def collect(async_engine, prompt, params, **kwargs):
+    outputs = [out async for out in async_engine.generate(prompt, params, **kwargs)]
     return outputs
+
+
+@contextlib.contextmanager
+def held_after_the_first_token(async_engine):
+    """Once a token has been generated (and delivered: delivery follows the step), the engine thread
+    waits inside its next step, before collecting it, until `release` is set; `holding` says it
+    waits. Whatever the test does meanwhile meets a request in flight, and the commands it posts
+    wait in the inbox. Yields (holding, release)."""
+    runner = async_engine.engine.runner
+    real_collect, holding, release = runner.collect, threading.Event(), threading.Event()
+
+    def held(pending):
+        if async_engine.engine.num_generated_tokens and not release.is_set():
+            holding.set()
+            release.wait(30)
+        return real_collect(pending)
+
+    runner.collect = held
+    try:
+        yield holding, release
+    finally:
+        release.set()
+        runner.collect = real_collect
 
 
 def test_concurrent_requests_stream_and_finish_right(async_engine):
@@ -122,3 +147,56 @@ def test_idle_engine_runs_the_programs_warm_up_left(tiny_trained):
         assert asyncio.run(main())[-1].outputs[0].token_ids == counting_sequence(2, 1)[3:8]
     finally:
         engine.shutdown(timeout=30)
+
+
+def test_a_closed_event_loop_drops_its_requests_and_the_engine_keeps_serving(async_engine):
+    """A loop that closes with a request in flight (asyncio.run returning, a test's own loop) cannot
+    take its outputs: the engine thread drops them and aborts the request, and serves the next loop."""
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    with held_after_the_first_token(async_engine) as (_, release):
+        loop = asyncio.new_event_loop()
+        stream = async_engine.generate(counting_sequence(0, 1)[:3], params)
+        first = loop.run_until_complete(stream.__anext__())
+        loop.close()  # the stream left open: nothing tells the engine
+        release.set()  # the step now delivers to the closed loop
+
+        async def later():  # on a new loop: the engine thread must still be there
+            return await asyncio.wait_for(collect(async_engine, [64, 3, 5], SamplingParams(temperature=0, max_tokens=3)),
+                                          30)
+
+        served = asyncio.run(later())
+    assert not first.finished
+    assert served[-1].outputs[0].token_ids == [7, 9, 11]
+    assert not async_engine.engine.has_unfinished_requests()  # the abandoned request was aborted
+    assert async_engine.engine.kv.num_free_pages == async_engine.engine.kv.num_pages
+
+
+def test_a_duplicate_request_id_is_refused_and_the_live_request_goes_on(async_engine):
+    """A second request under a live request's id fails its own iterator; the live request keeps its
+    queue and runs to the end, even when the duplicate's client goes away before the refusal."""
+    prompt = counting_sequence(2, 3)[:3]
+
+    async def main():
+        with held_after_the_first_token(async_engine) as (holding, release):
+            live = async_engine.generate(prompt, SamplingParams(temperature=0, max_tokens=100), request_id="same")
+            outputs = [await live.__anext__()]
+            assert await asyncio.to_thread(holding.wait, 30)  # the thread drains its inbox no more
+            refused = asyncio.ensure_future(collect(async_engine, [64, 3, 5], SamplingParams(max_tokens=3),
+                                                    request_id="same"))
+            gone = asyncio.ensure_future(collect(async_engine, [64, 3, 5], SamplingParams(max_tokens=3),
+                                                 request_id="same"))
+            await asyncio.sleep(0.1)  # both posted (the engine holds them in its inbox)
+            gone.cancel()  # its abort names "same" too
+            release.set()
+        outputs += await asyncio.wait_for(collect_rest(live), 30)
+        return outputs, await asyncio.gather(refused, gone, return_exceptions=True)
+
+    outputs, (refused, gone) = asyncio.run(main())
+    assert isinstance(refused, ValueError) and "already in use" in str(refused)
+    assert isinstance(gone, asyncio.CancelledError)
+    assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == counting_sequence(2, 3)[3:]
+    assert async_engine.engine.kv.num_free_pages == async_engine.engine.kv.num_pages
+
+
+async def collect_rest(stream):
+    return [out async for out in stream]

@@ -12,7 +12,8 @@ PAGE = 4
 
 
 def make_request(i: int, tokens: list[int]) -> Request:
-    return Request(str(i), list(tokens), SamplingParams(max_tokens=64), 0, None, RequestMetrics(arrival_time=float(i)))
+    return Request(str(i), list(tokens), SamplingParams(max_tokens=64), 0, frozenset(),
+                   RequestMetrics(arrival_time=float(i)))
 
 
 class KVManagerMachine(RuleBasedStateMachine):

@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import gguf
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from orca_jax.checkpoint.gguf_import import GGUF_FILE, unpermute_llama_qk
 from orca_jax.config import ConfigError, EngineConfig, ParallelConfig
 from orca_jax.model.linear import FloatLinear
 from orca_jax.model.quantization import quantize_decoder
+from orca_jax.model.relayout import matrices
 from orca_jax.parallel.memory_plan import plan_memory
 
 # Measured over the 958 positions of tests/fixtures/smollm2_continuations.json (the three reference
@@ -128,10 +128,15 @@ def test_gguf_without_the_file_names_the_pull_to_run(smollm2, tmp_path):
 
 
 def test_bad_quantization_settings_are_refused():
-    with pytest.raises(ConfigError, match=r"quantization=.q4.; choose one of \[.none., .gguf., .int8.\]"):
+    with pytest.raises(ConfigError, match=r"quantization=.q4.; choose one of \[.auto., .none., .gguf., .int8.\]"):
         EngineConfig(quantization="q4")
     with pytest.raises(ConfigError, match="use tensor_parallel_size=1"):
         EngineConfig(quantization="int8", parallel=ParallelConfig(tensor_parallel_size=3))
+    # auto is gguf for a .gguf file: its blocks are not split over devices either; a checkpoint's is none
+    with pytest.raises(ConfigError, match="quantization='gguf' keeps whole quantized matrices"):
+        EngineConfig(model="/models/m.gguf", parallel=ParallelConfig(tensor_parallel_size=2))
+    assert EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2)).effective_quantization == "none"
+    assert EngineConfig(model="/models/m.gguf", quantization="none").effective_quantization == "none"
     with pytest.raises(ConfigError, match=r"quantization_activations=.int4.; choose one of \[.auto., .float32., .int8.\]"):
         EngineConfig(quantization="gguf", quantization_activations="int4")
     with pytest.raises(ConfigError, match="quantization='none' has none: set quantization='gguf' or 'int8'"):
@@ -141,17 +146,27 @@ def test_bad_quantization_settings_are_refused():
 
 
 def test_gguf_takes_int8_activations_by_default_and_float32_when_asked(smollm2, smollm2_gguf, smollm2_int8):
-    assert smollm2_gguf.model.layers[0].mlp.down.method.activations == "int8"
-    assert smollm2_int8.model.layers[0].mlp.down.method.activations == "float32"
-    assert EngineConfig(quantization="gguf", quantization_activations="float32").quantization_activations == "float32"
+    """Every matrix of the quantized model computes as the setting says (int8 weights: float32 by default)."""
+    asked, _ = quantize_decoder(smollm2.model, "gguf", smollm2.path, activations="float32")
+    for model, want in ((smollm2_gguf.model, "int8"), (asked, "float32"), (smollm2_int8.model, "float32")):
+        methods = {path: module.method for path, module in matrices(model).items()}
+        assert len(methods) == 7 * smollm2.config.n_layers + 1  # the layers' and the tied embedding
+        assert {path: m.activations for path, m in methods.items() if m.activations != want} == {}, want
 
 
 @pytest.mark.parametrize("quantization", ["gguf", "int8"])
 def test_the_memory_plan_counts_quantized_matrices_at_their_own_size(request, smollm2, quantization):
+    """The sizes the formats give, not the model's arrays summed again: gguf serves the file's tensors
+    as they are (its float32 norms too); int8 is a byte a weight and a float32 scale a row."""
     model = request.getfixturevalue(f"smollm2_{quantization}").model
-    placed = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     plan = plan_memory(smollm2.config, ParallelConfig(), page_size=16, max_model_len=512, kv_cache_memory=2**26,
                        loaded_model=model)
-    assert plan.param_bytes == placed
+    if quantization == "gguf":
+        want = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(smollm2.path / GGUF_FILE)).tensors)
+    else:
+        rows = [m.rows_shape for m in matrices(smollm2.model).values()]  # (out, in) of each float matrix
+        norms = (2 * smollm2.config.n_layers + 1) * smollm2.config.d_model  # float32 scales
+        want = sum(out * inner + 4 * out for out, inner in rows) + 4 * norms
+    assert plan.param_bytes == want
     float_plan = plan_memory(smollm2.config, ParallelConfig(), page_size=16, max_model_len=512, kv_cache_memory=2**26)
     assert plan.param_bytes < float_plan.param_bytes / 3  # 97 / 135 MB against 538 MB of float32

@@ -168,3 +168,26 @@ def test_a_full_step_of_the_default_token_budget_runs_the_kernel():
     out = jax.jit(lambda x, w: qm.quantized_matmul(x, "q5_0", w, None, activations="int8",
                                                    native_max_tokens=qm.INT8_NATIVE_MAX_TOKENS))(x, weights)
     np.testing.assert_array_equal(np.asarray(out), matmul_reference(x, "q5_0", weights, None))
+
+
+@pytest.mark.parametrize("format", ["q4_1", "q6_k", "int8"])
+def test_nan_and_inf_activations_give_nan_rows_as_the_reference_does(variant, format):
+    """A diverged model must look diverged: a NaN or an infinity anywhere in a row makes its block's
+    d NaN or infinite, so every output of the row is NaN, in the kernel as in the reference and XLA's
+    path (a peak that skipped NaN quantized it to 0 and gave finite numbers). Rows without one are
+    untouched. NaN sits at different places in its block: first, in the second vector, last."""
+    rng = np.random.default_rng(13)
+    weights, scales = random_weights(format, 40, 256, rng)
+    x = rng.standard_normal((6, 256)).astype(np.float32)
+    x[0, 32] = np.nan
+    x[1, 64 + 17] = np.nan
+    x[2, 255] = -np.nan
+    x[3, 100] = np.inf
+    x[4, 5] = -np.inf
+    with np.errstate(invalid="ignore"):  # the reference's inf * 0
+        want = matmul_reference(x, format, weights, scales)
+    assert np.isnan(want[:5]).all() and np.isfinite(want[5]).all()
+    got = np.asarray(int8_matmul(x, format, weights, scales))
+    np.testing.assert_array_equal(got, want)
+    xla = jax.jit(lambda x, w, s: qm.quantized_matmul(x, format, w, s, activations="int8", native_max_tokens=0))
+    assert np.isnan(np.asarray(xla(x, weights, scales))[:5]).all()

@@ -12,6 +12,7 @@ from orca_jax.model.layers import Dense, dense_all
 from orca_jax.model.linear import GGUFBlockLinear, Int8Linear
 from pallas_kernels import native
 from pallas_kernels import quantized_matmul as qm
+from pallas_kernels.int8_activations import quantize_reference
 
 from .test_int8_activations import random_weights, variant  # noqa: F401 (a fixture)
 
@@ -51,14 +52,19 @@ def test_one_call_of_several_matrices_gives_each_matrix_its_own_bits(variant, ac
 
 
 def test_xla_path_of_several_matrices_equals_each_alone():
-    """Off the native kernel (GPU, large calls) each matrix is its own dot of the once-quantized x."""
+    """Off the native kernel (GPU, large calls) each matrix is its own dot of the once-quantized x:
+    each result is the numpy reference's for its matrix alone, given x quantized and dequantized by
+    int8_activations' rule, to XLA's f32 summation order (unquantized x would be off by ~1e-2)."""
     rng = np.random.default_rng(4)
     formats, weights, scales = matrices(rng)
     x = rng.standard_normal((3, IN)).astype(np.float32)
     got = qm.quantized_matmuls(x, formats, weights, scales, cpu_native=False, activations="int8")
+    q, d = quantize_reference(x)
+    quantized_x = (q * d[..., None]).reshape(x.shape)
     for i, format in enumerate(formats):
-        want = qm.quantized_matmul(x, format, weights[i], scales[i], cpu_native=False, activations="int8")
-        np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(want))
+        want = qm.quantized_matmul_reference(quantized_x, format, np.asarray(weights[i]),
+                                             None if scales[i] is None else np.asarray(scales[i]))
+        np.testing.assert_allclose(np.asarray(got[i]), want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=format)
 
 
 def dense(method, out: int, seed: int, in_shape: tuple[int, ...] = (IN,)) -> Dense:

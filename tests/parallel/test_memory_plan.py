@@ -7,7 +7,7 @@ import pytest
 from orca_jax.config import ConfigError, ParallelConfig, load_model_preset
 from orca_jax.model.decoder import abstract_decoder
 from orca_jax.parallel import mesh
-from orca_jax.parallel.memory_plan import RESERVE_FRACTION, _flat_params, param_shapes, plan_memory
+from orca_jax.parallel.memory_plan import DEFAULT_MEMORY_UTILIZATION, _flat_params, param_shapes, plan_memory
 
 GiB = 1 << 30
 
@@ -27,7 +27,7 @@ def test_gpt3_13b_fits_one_40gib_device():
     assert plan.param_bytes == pytest.approx(25.7e9, rel=0.01)
     # 40 layers x K,V x 16 tokens x 40 heads x 128 x 2 bytes = 12.5 MiB per page.
     assert plan.kv_bytes_per_page == 40 * 2 * 16 * 40 * 128 * 2 == 12.5 * 2**20
-    assert plan.reserve_bytes == int(40 * GiB * RESERVE_FRACTION)
+    assert plan.reserve_bytes == 40 * GiB - int(40 * GiB * DEFAULT_MEMORY_UTILIZATION) == int(0.1 * 40 * GiB)
     assert plan.num_pages == (40 * GiB - plan.reserve_bytes - plan.param_bytes) // plan.kv_bytes_per_page
     assert plan.num_tokens == plan.num_pages * 16
     assert plan.num_full_sequences == plan.num_pages // (2048 // 16) >= 7
@@ -124,14 +124,30 @@ def test_pipeline_stages_hold_every_parameter_once_except_a_tied_head(tied):
     assert [s.kv_bytes_per_page for s in plan.stages] == [n * 2 * 16 * 4 * 16 * 4 for n in (2, 1)]
 
 
-def test_kv_that_cannot_hold_one_sequence_is_refused():
+def test_kv_that_cannot_hold_one_sequence_of_a_given_max_model_len_is_refused():
     model = load_model_preset("gpt3-13b")
-    refusal = r"less than one sequence of max_model_len=2048; short by 1.46 GiB per device"
+    refusal = (r"holds 128 tokens per device \(kv_cache_memory=100.00 MiB\), less than one sequence of "
+               r"max_model_len=2048; short by 1.46 GiB per device. Lower max_model_len to 128 or less, or give the "
+               r"KV cache more memory \(raise kv_cache_memory\)")
     with pytest.raises(ConfigError, match=refusal):
-        plan_memory(model, ParallelConfig(), page_size=16, kv_cache_memory=100 * 2**20)
+        plan_memory(model, ParallelConfig(), page_size=16, kv_cache_memory=100 * 2**20, max_model_len=2048)
     # A shorter context fits the same 100 MiB: 8 pages x 16 tokens.
     plan = plan_memory(model, ParallelConfig(), page_size=16, kv_cache_memory=100 * 2**20, max_model_len=128)
-    assert plan.num_pages == 8 and plan.num_full_sequences == 1
+    assert plan.num_pages == 8 and plan.num_full_sequences == 1 and plan.lowered_from is None
+
+
+def test_a_context_that_does_not_fit_is_lowered_when_max_model_len_is_not_given():
+    model = load_model_preset("gpt3-13b")  # trained for 2048 tokens
+    plan = plan_memory(model, ParallelConfig(), page_size=16, kv_cache_memory=100 * 2**20 + 5 * 2**20)
+    assert (plan.num_pages, plan.max_model_len, plan.lowered_from) == (8, 128, 2048)  # whole pages: 8 x 16
+    assert plan.lowered_note() in plan.summary()
+    assert "max_model_len lowered from gpt3-13b's context length 2048 to 128 tokens" in plan.lowered_note()
+    # Not even one page: nothing to lower to.
+    nothing = r"holds 0 tokens per device .* max_model_len=2048; .* Lower max_model_len, or give"
+    with pytest.raises(ConfigError, match=nothing):
+        plan_memory(model, ParallelConfig(), page_size=16, kv_cache_memory=2**20)
+    # A context that fits is kept.
+    assert plan_memory(model, ParallelConfig(), page_size=16, kv_cache_memory=2 * GiB).lowered_from is None
 
 
 def test_kv_memory_beside_parameters_must_fit_the_device():
@@ -144,7 +160,7 @@ def test_bad_requests_are_refused():
     tiny = load_model_preset("tiny")
     with pytest.raises(ConfigError, match="exceeds 'tiny'.s context length 128"):
         plan_memory(tiny, ParallelConfig(), page_size=16, max_model_len=129, kv_cache_memory=2**20)
-    with pytest.raises(ConfigError, match="give device_memory .* or kv_cache_memory"):
+    with pytest.raises(ConfigError, match="give device_memory .*, kv_cache_memory .* or host_memory"):
         plan_memory(tiny, ParallelConfig(), page_size=16)
 
 
@@ -171,3 +187,70 @@ def test_the_kv_pages_follow_the_memory_utilization_and_a_shortfall_names_it():
         plan_memory(model, ParallelConfig(), page_size=16, device_memory=40 * GiB, memory_utilization=0.5)
     with pytest.raises(ConfigError, match="must be in"):
         plan_memory(model, ParallelConfig(), page_size=16, device_memory=40 * GiB, memory_utilization=1.5)
+
+
+def tiny_page_and_params(**plan_args) -> tuple[int, int]:
+    """The tiny model's KV bytes per page and parameter bytes per device (page_size 16)."""
+    plan = plan_memory(load_model_preset("tiny"), ParallelConfig(**plan_args), page_size=16, kv_cache_memory=2**20)
+    return plan.kv_bytes_per_page, plan.param_bytes
+
+
+@pytest.mark.parametrize("utilization", [0.5, 0.9])
+def test_on_cpu_the_kv_budget_is_the_utilization_of_the_free_host_memory_after_the_parameters(utilization):
+    tiny = load_model_preset("tiny")
+    page, params = tiny_page_and_params()
+    free = 3 * 2**20
+    plan = plan_memory(tiny, ParallelConfig(), page_size=16, host_memory=free, memory_utilization=utilization)
+    assert plan.num_pages == int((free - params) * utilization) // page
+    assert plan.host_memory == free and plan.capped_at_seqs is None
+    assert f"of {utilization:g} x (3.00 MiB free host memory - parameters)" in plan.one_line()
+    # The layout's devices share the host: each stage's budget is its share less its own parameters.
+    two_stages = plan_memory(tiny, ParallelConfig(pipeline_parallel_size=2), page_size=16, host_memory=free,
+                             memory_utilization=utilization)
+    assert two_stages.num_pages == min(int((free // 2 - s.param_bytes) * utilization) // s.kv_bytes_per_page
+                                       for s in two_stages.stages)
+    assert "3.00 MiB free host memory / 2 devices" in two_stages.one_line()
+
+
+def test_a_given_kv_cache_memory_wins_over_the_host_memory():
+    plan = plan_memory(load_model_preset("tiny"), ParallelConfig(), page_size=16, kv_cache_memory=2**20,
+                       host_memory=GiB)
+    assert plan.num_pages == 2**20 // plan.kv_bytes_per_page == 128 and plan.host_memory is None
+
+
+def test_the_cpu_budget_is_capped_at_max_num_seqs_sequences_of_max_model_len():
+    tiny = load_model_preset("tiny")  # 128 tokens: 8 pages of 16
+    plan = plan_memory(tiny, ParallelConfig(), page_size=16, host_memory=GiB, max_num_seqs=3)
+    assert (plan.num_pages, plan.capped_at_seqs, plan.num_full_sequences) == (3 * 8, 3, 3)
+    assert "3 x 128-token sequences, capped at max_num_seqs=3)" in plan.one_line()
+    assert plan_memory(tiny, ParallelConfig(), page_size=16, host_memory=GiB, max_num_seqs=3,
+                       max_model_len=40).num_pages == 3 * 3  # 40 tokens take 3 pages
+    # A draft model's pages come out of the same budget, as many as the target's: the cap is the same count.
+    page, _ = tiny_page_and_params()
+    with_draft = plan_memory(tiny, ParallelConfig(), page_size=16, host_memory=GiB, max_num_seqs=3,
+                             draft_kv_bytes_per_page=page)
+    assert with_draft.num_pages == 3 * 8 and with_draft.kv_bytes == 2 * plan.kv_bytes
+    # Below the cap the budget sets the count: 80 pages, fewer than 32 sequences take.
+    below = plan_memory(tiny, ParallelConfig(), page_size=16, host_memory=2**20, max_num_seqs=32)
+    assert below.capped_at_seqs is None and below.num_pages == int((2**20 - below.param_bytes) * 0.9) // page == 80
+
+
+def test_on_cpu_a_context_that_does_not_fit_is_lowered_and_a_given_one_refused():
+    tiny = load_model_preset("tiny")
+    page, params = tiny_page_and_params()
+    free = params + int(5.5 * page / 0.9)  # 0.9 of what the parameters leave: 5 whole pages
+    plan = plan_memory(tiny, ParallelConfig(), page_size=16, host_memory=free, max_num_seqs=32)
+    assert (plan.num_pages, plan.max_model_len, plan.lowered_from) == (5, 80, 128)
+    refusal = (r"tiny on tp 1 x pp 1: the KV cache holds 80 tokens per device \(0.9 x \(.* free host memory - "
+               r"parameters\)\), less than one sequence of max_model_len=128; short by 20.00 KiB per device. Lower "
+               r"max_model_len to 80 or less, or give the KV cache more memory \(free memory on the host")
+    with pytest.raises(ConfigError, match=refusal):
+        plan_memory(tiny, ParallelConfig(), page_size=16, host_memory=free, max_num_seqs=32, max_model_len=128)
+
+
+def test_parameters_beyond_the_free_host_memory_are_refused():
+    tiny = load_model_preset("tiny")
+    _, params = tiny_page_and_params()
+    with pytest.raises(ConfigError, match=r"tiny \(float32\) does not fit this host's free memory on tp 1 x pp 1: "
+                                          r"parameters need .* per device, .* short by 1.00 KiB; free memory"):
+        plan_memory(tiny, ParallelConfig(), page_size=16, host_memory=params - 1024)

@@ -2,6 +2,8 @@
 the one-device tokens, greedy and seeded, with no compilation after warm-up; a pipeline reaches its
 depth of steps in flight; impossible layouts are refused with the fix."""
 
+import dataclasses
+
 import pytest
 
 from orca_jax.config import CacheConfig, ConfigError, EngineConfig, ParallelConfig, SchedulerConfig
@@ -182,6 +184,7 @@ def test_more_stages_than_layers_is_refused(tiny_trained):
 
 
 def test_a_kv_cache_too_small_for_one_sequence_is_refused_naming_the_shortfall(tiny_trained):
+    # A given max_model_len; without one the engine would start with what fits (8 tokens here).
+    config = dataclasses.replace(engine_config(tiny_trained, kv_cache_memory=4096), max_model_len=128)
     with pytest.raises(ConfigError, match=r"less than one sequence of max_model_len=128; short by"):
-        build_engine(engine_config(tiny_trained, kv_cache_memory=4096), BuildOptions(show_progress=False),
-                     loaded=tiny_trained)
+        build_engine(config, BuildOptions(show_progress=False), loaded=tiny_trained)

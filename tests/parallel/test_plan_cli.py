@@ -57,3 +57,22 @@ def test_unreadable_size_is_a_usage_error(capsys):
         plan(["--model", "tiny", "--device-memory", "40G"])
     assert exit_info.value.code == 2
     assert "GiB" in capsys.readouterr().err
+
+
+def test_without_a_memory_figure_the_plan_is_the_cpu_engines(monkeypatch, capsys):
+    """No --device-memory or --kv-cache-memory: this host's free memory, as the engine on CPU sizes
+    its cache (capped at --max-num-seqs sequences), so `orca-jax plan` says what the engine will do."""
+    from orca_jax import host_memory
+
+    monkeypatch.setattr(host_memory, "available_host_memory", lambda: 1 << 30)
+    assert plan(["--model", "tiny", "--max-num-seqs", "3"]) == 0
+    expected = plan_memory(load_model_preset("tiny"), ParallelConfig(), page_size=16, host_memory=1 << 30,
+                           max_num_seqs=3)
+    out = capsys.readouterr().out
+    assert out == expected.summary() + "\n" and "3 sequences of 128 tokens, capped at max_num_seqs=3" in out
+    # Where the host's figure is unknown, the engine's fixed default, capped the same way.
+    monkeypatch.setattr(host_memory, "available_host_memory", lambda: None)
+    assert plan(["--model", "tiny", "--max-num-seqs", "3"]) == 0
+    expected = plan_memory(load_model_preset("tiny"), ParallelConfig(), page_size=16, kv_cache_memory=1 << 30,
+                           max_num_seqs=3)
+    assert capsys.readouterr().out == expected.summary() + "\n" and expected.num_pages == 3 * 8
