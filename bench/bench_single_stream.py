@@ -94,7 +94,7 @@ def with_best(name: str, result: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quantization", nargs="+", choices=QUANTIZATION_CHOICES, default=list(QUANTIZATION_CHOICES))
+    parser.add_argument("--quantization", nargs="+", choices=QUANTIZATION_CHOICES, default=["none", "gguf", "int8"])
     parser.add_argument("--matmul-impl", nargs="+", choices=MATMUL_IMPL_CHOICES, default=["auto"])
     parser.add_argument("--quantization-activations", nargs="+", choices=QUANTIZATION_ACTIVATIONS_CHOICES,
                         default=["auto"], help="for the quantized modes (none ignores it)")

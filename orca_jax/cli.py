@@ -325,12 +325,12 @@ def _serve(args: argparse.Namespace) -> int:
             from orca_jax.checkpoint.convert import ensure_pulled
 
             ensure_pulled(config.model, log=lambda message: print(message, file=sys.stderr))
-        checkpoint = resolve_checkpoint_dir(config.model)
-        if is_gguf_file(config.model):
-            if not checkpoint.is_file():
-                raise CheckpointError(f"{checkpoint}: no such GGUF file")
-        elif not is_complete(checkpoint):
-            raise CheckpointError(missing_checkpoint_message(config.model, checkpoint))
+        if is_gguf_file(config.model):  # a file path, relative to the working directory (as LLM takes it)
+            if not Path(config.model).expanduser().is_file():
+                raise CheckpointError(f"{Path(config.model).expanduser().resolve()}: no such GGUF file; give the path "
+                                      "of a .gguf file, a checkpoint directory or a preset name")
+        elif not is_complete(resolve_checkpoint_dir(config.model)):
+            raise CheckpointError(missing_checkpoint_message(config.model, resolve_checkpoint_dir(config.model)))
     if dist is not None and not dist.is_leader:
         return run_process(dist, lambda: _follow_leader(config, dist))
     settings = ServerSettings(

@@ -305,10 +305,12 @@ class EngineConfig:
                  "matmul_impl='native' multiplies whole matrices on each device: use tensor_parallel_size=1, "
                  "or matmul_impl='auto' (XLA's dot when the matrices are split)")
         check_literal(self, "quantization", QUANTIZATION_CHOICES)
+        chosen = f"quantization={self.effective_quantization!r}" + (
+            " (auto's choice for a .gguf file)" if self.quantization == "auto" else "")
         require(self.effective_quantization == "none" or self.parallel.tensor_parallel_size == 1,
-                 f"quantization={self.effective_quantization!r} keeps whole quantized matrices on each device and does not "
-                 "split them: use tensor_parallel_size=1 (pipeline_parallel_size may be larger), or "
-                 "quantization='none' to split float weights over devices")
+                 f"{chosen} keeps whole quantized matrices on each device and does not split them: use "
+                 "tensor_parallel_size=1 (pipeline_parallel_size may be larger), or quantization='none' to split "
+                 "float weights over devices")
         check_literal(self, "quantization_activations", QUANTIZATION_ACTIVATIONS_CHOICES)
         # float32 is what float matrices take anyway; int8 needs quantized ones.
         require(self.effective_quantization != "none" or self.quantization_activations != "int8",

@@ -33,8 +33,8 @@ class LLM:
         distributed=None,
         **engine_args,
     ):
-        """`model`: a preset name (pulled on first use if it has published weights) or a checkpoint
-        directory. `engine_args`: any engine setting by its keyword, e.g. `scheduling_policy="orca"`,
+        """`model`: a preset name (pulled on first use if it has published weights), a checkpoint
+        directory or a .gguf file (served as it is). `engine_args`: any engine setting by its keyword, e.g. `scheduling_policy="orca"`,
         `max_num_seqs=8`, `kv_cache_memory` (bytes of KV cache per device), `speculative_config` (vLLM's
         dict or a SpeculativeConfig, e.g. {"method": "ngram", "num_speculative_tokens": 4}); every one,
         with its default, is in docs/configuration.md and in inspect.signature(LLM). An unknown keyword

@@ -66,4 +66,4 @@ def presets(kind: str) -> Traversable:
 def is_gguf_file(name_or_path: str | os.PathLike) -> bool:
     """Whether a model setting names a GGUF file, served as it is, rather than a checkpoint or a preset
     (by its suffix, as llama.cpp and vLLM tell them apart)."""
-    return str(name_or_path).endswith(".gguf")
+    return str(name_or_path).lower().endswith(".gguf")

@@ -58,6 +58,14 @@ def test_missing_model_explains_the_fix(tmp_path):
         assert "no checkpoint" in result.stderr and "orca-jax convert" in result.stderr
 
 
+def test_a_missing_gguf_file_is_named_with_its_full_path(tmp_path, monkeypatch):
+    """A .gguf model is a path (relative to the working directory, as LLM takes it), never a
+    checkpoint name: serve and generate name the file they looked for."""
+    monkeypatch.chdir(tmp_path)
+    for command in (["serve", "model.gguf", "--port", "0"], ["generate", "--model", "model.gguf", "hi"]):
+        assert_one_error_line(orca_jax(*command), f"{tmp_path / 'model.gguf'}: no such GGUF file")
+
+
 def test_serve_takes_the_model_positionally_as_vllm_does(tmp_path):
     nothing = str(tmp_path / "nothing")
     result = orca_jax("serve", nothing, "--port", "0")

@@ -40,7 +40,7 @@ from orca_jax.model.backends import native_matmuls
 from orca_jax.model.decoder import Decoder
 from orca_jax.model.layers import Dense, Embed
 from orca_jax.model.linear import GGUF_BLOCK_TYPES, GGUFBlockLinear, Int8Linear, LinearMethod, RowsLinear
-from orca_jax.model.relayout import array_at, matrices, relayout
+from orca_jax.model.relayout import abstract_relayout, array_at, matrices, relayout
 from orca_jax.optional import import_optional
 from pallas_kernels.quantized_matmul import (ACTIVATIONS, BLOCK, INT8_NATIVE_MAX_TOKENS, NATIVE_MAX_TOKENS, check_weights,
                                              quantize_int8)
@@ -190,54 +190,34 @@ def _serve_gguf_blocks(model: Decoder, weights: Weights, quantized: _Quantized, 
     """Each matrix of the file's `weights` that has a kernel for its block type becomes the file's
     rows as they are (a fused tensor's rows split among the matrices it holds); the others are named
     in one log line and computed from float weights."""
-    from orca_jax.checkpoint.gguf_import import (GGUF_FILE, SUPPORTED_ARCHITECTURES, file_matrices, read_raw,
-                                                 unpermute_llama_qk)
-    from orca_jax.checkpoint.gguf_reader import GGUFReader
-    from orca_jax.checkpoint.gguf_weights import GGUFWeights
+    from orca_jax.checkpoint.gguf_import import read_raw, unpermute_llama_qk
 
-    if isinstance(weights, GGUFWeights):
-        path, reader = weights.path, weights.reader
-    else:
-        path = weights.path / GGUF_FILE
-        if not path.is_file():
-            raise ConfigError(f"quantization='gguf' needs the GGUF file the checkpoint was imported from at {path}; "
-                              f"checkpoints pulled or converted before it was kept lack it: run `orca-jax pull --force "
-                              f"{model.config.name}` (or `orca-jax convert <file.gguf> --name {model.config.name}`), "
-                              "or serve the .gguf file itself")
-        reader = GGUFReader(str(path))
-    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ConfigError(f"quantization='gguf': {path} is of architecture {arch!r}; supported: "
-                          f"{list(SUPPORTED_ARCHITECTURES)}")
-    tensors = {t.name: t for t in reader.tensors}
+    path, reader, imported_from = _gguf_file(model, weights)
+    in_place, left_in_float = gguf_in_place(model.config, reader, path)
+    quantized.report.float_matrices.extend(name for names in left_in_float.values() for name in names)
     modules = matrices(model)
     # llama.cpp's converter permutes a llama file's q and k rows for interleaved RoPE; undone as the import does
+    arch = reader.fields["general.architecture"].contents()
     permuted_heads = {"attn.q": model.config.n_heads, "attn.k": model.config.n_kv_heads} if arch == "llama" else {}
-    left_in_float: dict[str, list[str]] = {}  # GGUF type -> its tensors that keep the float weights
-    for part in model_parts(model.config):
-        for name, paths in file_matrices(model.config, arch, part, tensors).items():
-            tensor = tensors.get(name)
-            if tensor is None or tensor.tensor_type.name not in GGUF_BLOCK_TYPES:
-                left_in_float.setdefault("missing" if tensor is None else tensor.tensor_type.name, []).append(name)
-                quantized.report.float_matrices.append(name)
-                continue
-            method = method_of(tensor.tensor_type.name)
-            rows = read_raw(path, tensor)  # [out, in / block weights * block bytes], the file's bytes
-            outs = [modules[p].rows_shape[0] for p in paths]
-            inner = modules[paths[0]].rows_shape[1]
-            try:
-                check_weights(method.format, rows.shape, inner)
-                if rows.shape[0] != sum(outs):
-                    raise ValueError(f"{rows.shape[0]} rows where the model has {' + '.join(map(str, outs))} outputs")
-            except ValueError as error:
-                raise ConfigError(f"{path}: {name} does not fit {model.config.name}'s {' + '.join(paths)} "
-                                  f"({error}); the GGUF is not the one this model was imported from") from None
-            # A fused tensor's rows are its matrices' rows one after the other: each is a slice of blocks.
-            for module_path, module_rows in zip(paths, np.split(rows, np.cumsum(outs)[:-1])):
-                heads = permuted_heads.get(module_path.split(".", 2)[-1])  # "layers.3.attn.q" -> "attn.q"
-                if heads is not None:
-                    module_rows = unpermute_llama_qk(module_rows, heads)
-                quantized.add(module_path, modules[module_path], method, np.ascontiguousarray(module_rows), None)
+    for name, (tensor, paths) in in_place.items():
+        method = method_of(tensor.tensor_type.name)
+        rows = read_raw(path, tensor)  # [out, in / block weights * block bytes], the file's bytes
+        outs = [modules[p].rows_shape[0] for p in paths]
+        try:
+            check_weights(method.format, rows.shape, modules[paths[0]].rows_shape[1])
+            if rows.shape[0] != sum(outs):
+                raise ValueError(f"{rows.shape[0]} rows where the model has {' + '.join(map(str, outs))} outputs")
+        except ValueError as error:
+            cause = ("the GGUF is not the one this checkpoint was imported from: convert it again" if imported_from
+                     else "the file's tensors do not match its own metadata")
+            raise ConfigError(f"{path}: {name} does not fit {model.config.name}'s {' + '.join(paths)} "
+                              f"({error}); {cause}") from None
+        # A fused tensor's rows are its matrices' rows one after the other: each is a slice of blocks.
+        for module_path, module_rows in zip(paths, np.split(rows, np.cumsum(outs)[:-1])):
+            heads = permuted_heads.get(module_path.split(".", 2)[-1])  # "layers.3.attn.q" -> "attn.q"
+            if heads is not None:
+                module_rows = unpermute_llama_qk(module_rows, heads)
+            quantized.add(module_path, modules[module_path], method, np.ascontiguousarray(module_rows), None)
     if left_in_float:
         # One line for the whole file: a Q2_K or IQ* file would otherwise log every matrix.
         quantized.report.dequantized_types = set(left_in_float) - {"missing", *FLOAT_TYPES}
@@ -245,6 +225,53 @@ def _serve_gguf_blocks(model: Decoder, weights: Weights, quantized: _Quantized, 
                     "place: %s", path.name,
                     "; ".join(f"{kind} ({len(names)}: {_names(names)})" for kind, names in sorted(left_in_float.items())),
                     ", ".join(GGUF_BLOCK_TYPES))
+
+
+def _gguf_file(model: Decoder, weights: Weights):
+    """The GGUF file `--quantization gguf` serves, its reader, and whether it is the file a checkpoint
+    was imported from (kept in the checkpoint) rather than the model itself."""
+    from orca_jax.checkpoint.gguf_import import GGUF_FILE
+    from orca_jax.checkpoint.gguf_reader import GGUFReader
+
+    if getattr(weights, "reader", None) is not None:  # GGUFWeights: a file served as it is
+        return weights.path, weights.reader, False
+    path = weights.path / GGUF_FILE
+    if not path.is_file():
+        raise ConfigError(f"quantization='gguf' needs the GGUF file the checkpoint was imported from at {path}; "
+                          f"checkpoints pulled or converted before it was kept lack it: run `orca-jax pull --force "
+                          f"{model.config.name}` (or `orca-jax convert <file.gguf> --name {model.config.name}`), "
+                          "or serve the .gguf file itself")
+    return path, GGUFReader(str(path)), True
+
+
+def gguf_in_place(config, reader, path: Path) -> tuple[dict[str, tuple], dict[str, list[str]]]:
+    """Which of a GGUF file's matrices `--quantization gguf` serves from its blocks: tensor name ->
+    (the reader's tensor, the decoder matrices its rows hold), and the others, left in float, by their
+    GGUF type (F16, Q2_K, ...; "missing" for a tensor the file lacks) -> tensor names."""
+    from orca_jax.checkpoint.gguf_import import SUPPORTED_ARCHITECTURES, file_matrices
+
+    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"quantization='gguf': {path} is of architecture {arch!r}; supported: "
+                          f"{list(SUPPORTED_ARCHITECTURES)}")
+    tensors = {t.name: t for t in reader.tensors}
+    in_place, left_in_float = {}, {}
+    for part in model_parts(config):
+        for name, paths in file_matrices(config, arch, part, tensors).items():
+            tensor = tensors.get(name)
+            if tensor is None or tensor.tensor_type.name not in GGUF_BLOCK_TYPES:
+                left_in_float.setdefault("missing" if tensor is None else tensor.tensor_type.name, []).append(name)
+            else:
+                in_place[name] = (tensor, paths)
+    return in_place, left_in_float
+
+
+def abstract_gguf_decoder(model: Decoder, reader, path: Path) -> Decoder:
+    """`model`'s structure (shapes only) as `--quantization gguf` serves the file: for the memory plan
+    of a GGUF file before any of it is read (`orca-jax plan`)."""
+    in_place, _ = gguf_in_place(model.config, reader, path)
+    return abstract_relayout(model, {p: GGUFBlockLinear(tensor.tensor_type.name, cpu_native=False)
+                                     for tensor, paths in in_place.values() for p in paths})
 
 
 FLOAT_TYPES = ("F32", "F16", "BF16")  # GGUF tensor types that are float already

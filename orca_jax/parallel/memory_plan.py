@@ -12,11 +12,11 @@ so the stage with the least room for pages sets the count for all.
 
 The KV budget of a device, in order: `kv_cache_memory` when given; on an accelerator, what the
 memory utilization x its memory leaves after the parameters; on CPU, the memory utilization x the
-host's free memory after the parameters. The builder caps a CPU budget it chose at what
-`max_num_seqs` sequences of `max_model_len` need (host memory the engine can never use is left to
-the host). When `max_model_len` is not given
-and the budget cannot hold one sequence of the model's context, max_model_len is lowered to the pages
-it can hold; a given one that does not fit is refused.
+host's free memory after the parameters, at most HOST_KV_CEILING (4 GiB) unless one sequence of
+max_model_len needs more. The builder caps a CPU budget it chose at what `max_num_seqs` sequences of
+`max_model_len` need too (host memory the engine can never use is left to the host). When
+`max_model_len` is not given and the budget cannot hold one sequence of the model's context,
+max_model_len is lowered to the pages it can hold; a given one that does not fit is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ from orca_jax.model.decoder import abstract_decoder
 from orca_jax.parallel import mesh
 from orca_jax.parallel.layout import check_parallel, kv_heads_for_tp, stage_layer_ranges
 from orca_jax.sizes import format_bytes
+
+# The most KV a CPU budget takes from the host's free memory on its own (kv_cache_memory not given),
+# unless one sequence of max_model_len needs more: what a few long sequences or many short ones use.
+HOST_KV_CEILING = 4 << 30
 
 # Device memory kept back for everything besides parameters and KV: one step's activations
 # ([T, D] buffers, the MLP's [T, F/tp], [S, V/tp] f32 logits: tens of MB even for 175B at 512
@@ -72,6 +76,7 @@ class MemoryPlan:
     host_memory: int | None = None  # the host's free memory the KV budget came from (CPU), else None
     capped_at_seqs: int | None = None  # max_num_seqs, when the budget was capped at its sequences (CPU)
     lowered_from: int | None = None  # the model's context length, when max_model_len was lowered to fit
+    kv_ceiling: int | None = None  # bytes, when HOST_KV_CEILING (or one sequence) bounded a CPU budget
 
     @property
     def param_bytes(self) -> int:
@@ -104,6 +109,8 @@ class MemoryPlan:
                               self.tensor_parallel_size * self.pipeline_parallel_size)
 
     def _cap(self) -> str:
+        if self.kv_ceiling is not None:
+            return f", capped at {format_bytes(self.kv_ceiling)} (--kv-cache-memory takes more)"
         return "" if self.capped_at_seqs is None else f", capped at max_num_seqs={self.capped_at_seqs}"
 
     def lowered_note(self) -> str | None:
@@ -249,6 +256,7 @@ def plan_memory(
     if not 0 < memory_utilization <= 1:
         raise ConfigError(f"memory utilization {memory_utilization} must be in (0, 1], e.g. 0.9")
     from_host = kv_cache_memory is None and device_memory is None
+    kv_ceiling = None
 
     # The runtime model: KV heads replicated up to tp (the K/V projections then have tp heads).
     kv_heads = kv_heads_for_tp(model, tp)
@@ -298,6 +306,12 @@ def plan_memory(
                 "a quantized model"
             )
         budgets = [int((share - s.param_bytes) * memory_utilization) for s in stages]
+        # Nor more than HOST_KV_CEILING unless one sequence of the context needs more: a 135M model
+        # would otherwise zero-fill most of the machine at every start for sequences no one sends.
+        one_sequence = math.ceil((max_model_len or model.max_position) / page_size)
+        ceilings = [max(HOST_KV_CEILING, one_sequence * s.kv_bytes_per_page) for s in stages]
+        kv_ceiling = max(ceilings) if any(b > c for b, c in zip(budgets, ceilings)) else None
+        budgets = [min(b, c) for b, c in zip(budgets, ceilings)]
     if kv_cache_memory is not None and device_memory is not None:
         over = largest.param_bytes + reserve + kv_cache_memory - device_memory
         if over > 0:
@@ -339,6 +353,7 @@ def plan_memory(
         kv_heads=kv_heads, page_size=page_size, max_model_len=max_model_len, stages=stages,
         device_memory=device_memory, reserve_bytes=reserve, num_pages=num_pages, memory_utilization=memory_utilization,
         host_memory=host_memory if from_host else None, capped_at_seqs=capped_at_seqs, lowered_from=lowered_from,
+        kv_ceiling=None if capped_at_seqs is not None else kv_ceiling,
     )
 
 

@@ -14,12 +14,14 @@ from pathlib import Path
 from orca_jax.config import (DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_MODEL, CacheConfig, ConfigError, DType,
                              ModelConfig, ParallelConfig, SchedulerConfig, load_toml)
 from orca_jax.config import load_model_preset, model_preset_names
+from orca_jax.paths import is_gguf_file
 from orca_jax.sizes import byte_size
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"preset name or checkpoint directory with a model.toml (default {DEFAULT_MODEL})")
+                        help=f"preset name, checkpoint directory with a model.toml, or .gguf file (planned as "
+                             f"served: its own blocks) (default {DEFAULT_MODEL})")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="devices each layer is split over")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="stages the layers are split into")
     parser.add_argument("--device-memory", type=byte_size,
@@ -40,8 +42,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_model_config(name_or_path: str) -> ModelConfig:
-    """A directory's model.toml, else a preset, else a converted checkpoint of that name."""
+    """A GGUF file's config, a directory's model.toml, else a preset, else a converted checkpoint of
+    that name."""
     path = Path(name_or_path)
+    if is_gguf_file(name_or_path):
+        from orca_jax.runner.builder import open_gguf_file
+
+        return open_gguf_file(path).imported.config
     if path.is_dir():
         if not (path / "model.toml").is_file():
             raise ConfigError(f"{path} has no model.toml; pass a checkpoint directory or a preset name")
@@ -74,13 +81,30 @@ def plan_command(args: argparse.Namespace) -> int:
             host_memory, max_num_seqs = available_host_memory(), args.max_num_seqs
             if host_memory is None:
                 kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
+        model, served = _gguf_as_served(args.model, args.dtype) if is_gguf_file(args.model) else (
+            resolve_model_config(args.model), None)
         plan = plan_memory(
-            resolve_model_config(args.model), parallel, page_size=args.page_size, max_model_len=args.max_model_len,
+            model, parallel, page_size=args.page_size, max_model_len=args.max_model_len,
             device_memory=args.device_memory, kv_cache_memory=kv_cache_memory, host_memory=host_memory,
             max_num_seqs=max_num_seqs, dtype=args.dtype, memory_utilization=args.memory_utilization,
+            loaded_model=served,
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(plan.summary())
     return 0
+
+
+def _gguf_as_served(path: str, dtype: str | None):
+    """A GGUF file's config and its decoder as the engine serves it by default (`--quantization gguf`:
+    the file's block types, each at its own size), shapes only: nothing of the tensors is read."""
+    import dataclasses
+
+    from orca_jax.model.decoder import abstract_decoder
+    from orca_jax.model.quantization import abstract_gguf_decoder
+    from orca_jax.runner.builder import open_gguf_file
+
+    weights = open_gguf_file(path)
+    config = weights.imported.config if dtype is None else dataclasses.replace(weights.imported.config, dtype=dtype)
+    return config, abstract_gguf_decoder(abstract_decoder(config), weights.reader, weights.path)

@@ -236,8 +236,8 @@ def open_gguf_file(path) -> GGUFWeights:
     """A GGUF file served as it is; a missing or unreadable file is a ConfigError saying so."""
     path = Path(path).expanduser().resolve()
     if not path.is_file():
-        raise ConfigError(f"model={str(path)!r}: no such GGUF file; give the path of a .gguf file, a checkpoint "
-                          "directory or a preset name")
+        raise ConfigError(f"{path}: no such GGUF file; give the path of a .gguf file, a checkpoint directory or a "
+                          "preset name")
     import_optional("gguf", f"serving {path}", ConfigError)
     from orca_jax.checkpoint.gguf_weights import GGUFWeights
 

@@ -93,8 +93,9 @@ def cost_margin(text: str) -> float:
 
 def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     space = Space()
-    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"preset name or checkpoint directory (default {DEFAULT_MODEL})")
-    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"preset name, checkpoint directory or .gguf file (default {DEFAULT_MODEL})")
+    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="tokens per sequence (default: the model's context length); the memory plan holds every "
@@ -178,7 +179,7 @@ def settings_toml(args: argparse.Namespace, settings, header: list[str]) -> str:
         return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
     lines = [f"# {line}" for line in header] + [f"model = {quoted(str(args.model))}"]
-    if args.quantization != "none":
+    if args.quantization != "auto":
         lines.append(f"quantization = {quoted(args.quantization)}")
     if args.dtype != "auto":
         lines.append(f"dtype = {quoted(args.dtype)}")

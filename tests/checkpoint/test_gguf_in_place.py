@@ -157,3 +157,21 @@ def test_a_missing_or_foreign_gguf_file_is_named(tmp_path):
     (tmp_path / "text.gguf").write_text("not a GGUF file")
     with pytest.raises(ConfigError, match="cannot serve .*text.gguf as a GGUF model"):
         LLM(str(tmp_path / "text.gguf"), show_progress=False)
+
+
+def test_plan_counts_a_gguf_file_as_served_without_reading_it(tmp_path, capsys):
+    """`orca-jax plan --model file.gguf` plans the file's blocks at their own sizes, as the engine
+    places them after reading them."""
+    from orca_jax.cli import main
+    from orca_jax.config import ParallelConfig
+    from orca_jax.parallel.memory_plan import plan_memory
+    from orca_jax.parallel.plan_cli import _gguf_as_served
+
+    path, _ = write_family_gguf("phi3", tmp_path)  # fused tensors, two block types
+    config, planned = _gguf_as_served(str(path), None)
+    placed, _ = quantize_decoder(abstract_decoder(config), "gguf", GGUFWeights.open(path))
+    plan = {name: plan_memory(config, ParallelConfig(), page_size=16, kv_cache_memory=2**20, loaded_model=model)
+            for name, model in (("planned", planned), ("placed", placed), ("float", None))}
+    assert plan["planned"].param_bytes == plan["placed"].param_bytes < plan["float"].param_bytes
+    assert main(["plan", "--model", str(path), "--kv-cache-memory", "1MiB"]) == 0
+    assert "phi3 (float32) on tp 1 x pp 1" in capsys.readouterr().out

@@ -7,7 +7,8 @@ import pytest
 from orca_jax.config import ConfigError, ParallelConfig, load_model_preset
 from orca_jax.model.decoder import abstract_decoder
 from orca_jax.parallel import mesh
-from orca_jax.parallel.memory_plan import DEFAULT_MEMORY_UTILIZATION, _flat_params, param_shapes, plan_memory
+from orca_jax.parallel.memory_plan import (DEFAULT_MEMORY_UTILIZATION, HOST_KV_CEILING, _flat_params, param_shapes,
+                                          plan_memory)
 
 GiB = 1 << 30
 
@@ -254,3 +255,18 @@ def test_parameters_beyond_the_free_host_memory_are_refused():
     with pytest.raises(ConfigError, match=r"tiny \(float32\) does not fit this host's free memory on tp 1 x pp 1: "
                                           r"parameters need .* per device, .* short by 1.00 KiB; free memory"):
         plan_memory(tiny, ParallelConfig(), page_size=16, host_memory=params - 1024)
+
+
+def test_the_cpu_budget_stops_at_4_gib_unless_one_sequence_needs_more():
+    tiny = load_model_preset("tiny")
+    page, _ = tiny_page_and_params()
+    plan = plan_memory(tiny, ParallelConfig(), page_size=16, host_memory=1 << 40)
+    assert plan.num_pages == HOST_KV_CEILING // page and plan.kv_ceiling == HOST_KV_CEILING
+    assert "capped at 4.00 GiB (--kv-cache-memory takes more)" in plan.one_line()
+    # A context longer than the ceiling holds still gets one whole sequence, if the host has it.
+    long = dataclasses.replace(load_model_preset("llama-3-8b"), max_position=65536)  # 8 GiB of bfloat16 KV a sequence
+    plan = plan_memory(long, ParallelConfig(), page_size=16, host_memory=1 << 40)
+    assert (plan.max_model_len, plan.num_full_sequences, plan.lowered_from) == (65536, 1, None)
+    assert plan.kv_bytes == 8 << 30
+    # A given kv_cache_memory is not capped.
+    assert plan_memory(tiny, ParallelConfig(), page_size=16, kv_cache_memory=8 << 30).num_pages == (8 << 30) // page
