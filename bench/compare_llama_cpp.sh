@@ -19,9 +19,9 @@
 #   bench/compare_llama_cpp.sh [N] [FILE.gguf]   # default 16 and SmolLM2's Q4_1 file; from the repository
 #                                                # root, on a quiet machine
 #
-# Another GGUF file (a Q4_K_M, say) is converted once for orca_jax (build/compare/<stem>/checkpoint) and
-# copied to F32 once for llama-server; its figures are named by the type in its name (smollm2.Q4_K_M.gguf:
-# q4_k_m; LABEL=... overrides).
+# Another GGUF file (a Q4_K_M, say) is served as it is by both engines, and copied to F32 once
+# (build/compare/<stem>/) for the float32 pair; its figures are named by the type in its name
+# (smollm2.Q4_K_M.gguf: q4_k_m; LABEL=... overrides).
 # Writes bench/results/vs_llama_cpp_{orca_jax,orca_jax_gguf,<label>,f32,single_stream_gguf,single_stream_none}_new.json, prints
 # the tables, and gathers the figures with the machine's description (CPU, kernel variant, date, commit)
 # in bench/results/vs_llama_cpp_new.json: for the default file, the file to copy to
@@ -47,15 +47,17 @@ LLAMA_SERVER=${BUILT[0]}
 if [ -z "$FILE" ]; then
     GGUF=${BUILT[1]} F32=${BUILT[2]} MODEL=smollm2-135m-instruct LABEL=${LABEL:-q4_1}
 else
+    # Both engines serve the file as it is (orca_jax: its own blocks; --quantization none: its float copy)
     GGUF=$(realpath "$FILE")
     STEM=$(basename "$GGUF" .gguf)
     WORK=build/compare/$STEM
-    MODEL=$WORK/checkpoint F32=$WORK/$STEM.F32.gguf
+    MODEL=$GGUF F32=$WORK/$STEM.F32.gguf
     TYPE=${STEM##*.}; [ "$TYPE" = "$STEM" ] && TYPE=gguf
     LABEL=${LABEL:-$(echo "$TYPE" | tr '[:upper:]' '[:lower:]')}
     mkdir -p "$WORK"
-    [ -f "$MODEL/model.toml" ] || PYTHONPATH=$PWD .venv/bin/orca-jax convert "$GGUF" --name "$STEM" --out "$MODEL" >&2
-    [ -f "$F32" ] || "$(dirname "$LLAMA_SERVER")/llama-quantize" --allow-requantize "$GGUF" "$F32" F32 >&2
+    if [ "$WITH_F32" != 0 ] && [ ! -f "$F32" ]; then
+        "$(dirname "$LLAMA_SERVER")/llama-quantize" --allow-requantize "$GGUF" "$F32" F32 >&2
+    fi
 fi
 echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(nproc) cores; llama-server: $LLAMA_SERVER ($LLAMA_CPP_ISA build); XLA_FLAGS: ${XLA_FLAGS:-none}"
 echo "file: $GGUF ($LABEL); tensors by type: $($PY -c 'import collections, sys, gguf
@@ -67,15 +69,16 @@ $PY -m orca_jax.native
 # (no CPU) while our serving runs go.
 PAIRS=("$LABEL"); [ "$WITH_F32" != 0 ] && PAIRS+=(f32)
 for weights in "${PAIRS[@]}"; do
-    gguf=$GGUF quantization=gguf ours=orca_jax_gguf
+    gguf=$GGUF quantization=gguf ours=orca_jax_gguf model=$MODEL
     [ "$weights" = f32 ] && gguf=$F32 quantization=none ours=orca_jax
+    [ "$weights" = f32 ] && [ -n "$FILE" ] && model=$F32
     "$LLAMA_SERVER" -m "$gguf" -np "$N" -cb -c $((N * 1024)) -t "$(nproc)" --port 8089 >/dev/null 2>&1 &
     server=$!
     until curl -sf http://127.0.0.1:8089/health >/dev/null; do sleep 1; done
-    PYTHONPATH=$PWD $PY bench/bench_single_stream.py --model "$MODEL" --quantization "$quantization" --runs "$RUNS" \
+    PYTHONPATH=$PWD $PY bench/bench_single_stream.py --model "$model" --quantization "$quantization" --runs "$RUNS" \
         --llama-server http://127.0.0.1:8089 --out "bench/results/vs_llama_cpp_single_stream_${quantization}_new.json"
     if [ "$SERVING" != 0 ]; then
-        "${BENCH[@]}" --model "$MODEL" --policies chunked --max-num-seqs "$N" --quantization "$quantization" \
+        "${BENCH[@]}" --model "$model" --policies chunked --max-num-seqs "$N" --quantization "$quantization" \
             --out "bench/results/vs_llama_cpp_${ours}_new.json"
         "${BENCH[@]}" --url http://127.0.0.1:8089 --out "bench/results/vs_llama_cpp_${weights}_new.json" || true
     fi

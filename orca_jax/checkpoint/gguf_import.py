@@ -164,12 +164,25 @@ def _read_tensor(path: str | Path, tensor) -> np.ndarray:
     return gguf.quants.dequantize(read_raw(path, tensor), tensor.tensor_type).astype(np.float32)
 
 
-def read_raw(path: str | Path, tensor) -> np.ndarray:
+def read_raw(path: str | Path, tensor, into: np.ndarray | None = None) -> np.ndarray:
     """One tensor's bytes as the file stores them, [rows, row bytes] for a block type, read from the
     file (not through the reader's memory map, whose touched pages would stay resident beside the
-    copy the caller makes of them)."""
-    raw = np.fromfile(path, dtype=tensor.data.dtype, count=tensor.data.size, offset=tensor.data_offset)
-    return raw.reshape(tensor.data.shape)
+    copy the caller makes of them); into `into` (a contiguous array of the tensor's size) when given."""
+    if into is None:
+        raw = np.fromfile(path, dtype=tensor.data.dtype, count=tensor.data.size, offset=tensor.data_offset)
+        return raw.reshape(tensor.data.shape)
+    target = memoryview(into.reshape(-1).view(np.uint8))
+    if len(target) != tensor.n_bytes:
+        raise ValueError(f"{tensor.name}: {tensor.n_bytes} bytes do not fill a buffer of {len(target)}")
+    with open(path, "rb") as file:
+        file.seek(tensor.data_offset)
+        done = 0
+        while done < len(target):  # a read may return less than asked
+            count = file.readinto(target[done:])
+            if not count:
+                raise ValueError(f"{path} ends inside tensor {tensor.name}: the file is truncated")
+            done += count
+    return into.reshape(tensor.data.shape)
 
 
 def _family_switches(reader: gguf.GGUFReader, arch: str, n_heads: int, d_model: int) -> dict:

@@ -41,6 +41,7 @@ from orca_jax.model.decoder import Decoder
 from orca_jax.model.layers import Dense, Embed
 from orca_jax.model.linear import GGUF_BLOCK_TYPES, GGUFBlockLinear, Int8Linear, LinearMethod, RowsLinear
 from orca_jax.model.relayout import abstract_relayout, array_at, matrices, relayout
+from orca_jax.runner.huge_pages import huge_page_array
 from orca_jax.optional import import_optional
 from pallas_kernels.quantized_matmul import (ACTIVATIONS, BLOCK, INT8_NATIVE_MAX_TOKENS, NATIVE_MAX_TOKENS, check_weights,
                                              quantize_int8)
@@ -81,11 +82,19 @@ class _Quantized:
     def add(self, path: str, module: Dense | Embed, method: RowsLinear, rows: np.ndarray,
             scales: np.ndarray | None) -> None:
         self.methods[path] = method
-        self.arrays[_weights_name(path, module)] = jnp.asarray(rows)
+        self.arrays[_weights_name(path, module)] = _on_device(rows)
         if scales is not None:
-            self.arrays[f"{path}.scales"] = jnp.asarray(scales)
+            self.arrays[f"{path}.scales"] = _on_device(scales)
         self.report.kept[method.format] = self.report.kept.get(method.format, 0) + 1
         self.report.quantized_bytes += rows.nbytes + (0 if scales is None else scales.nbytes)
+
+
+def _on_device(host: np.ndarray) -> jax.Array:
+    """A host array on the default device: on CPU the same memory, not a copy (the GGUF blocks are
+    read into 2 MB pages of their own: runner/huge_pages.huge_page_array), elsewhere copied there."""
+    if jax.default_backend() == "cpu" and host.flags.c_contiguous and host.flags.writeable:
+        return jnp.from_dlpack(host)
+    return jnp.asarray(host)
 
 
 def quantize_decoder(model: Decoder, quantization: str, weights: Weights | Path,
@@ -201,7 +210,8 @@ def _serve_gguf_blocks(model: Decoder, weights: Weights, quantized: _Quantized, 
     permuted_heads = {"attn.q": model.config.n_heads, "attn.k": model.config.n_kv_heads} if arch == "llama" else {}
     for name, (tensor, paths) in in_place.items():
         method = method_of(tensor.tensor_type.name)
-        rows = read_raw(path, tensor)  # [out, in / block weights * block bytes], the file's bytes
+        # [out, in / block weights * block bytes], the file's bytes, in 2 MB pages the device takes as they are
+        rows = read_raw(path, tensor, huge_page_array(tensor.data.shape, tensor.data.dtype))
         outs = [modules[p].rows_shape[0] for p in paths]
         try:
             check_weights(method.format, rows.shape, modules[paths[0]].rows_shape[1])
@@ -216,8 +226,10 @@ def _serve_gguf_blocks(model: Decoder, weights: Weights, quantized: _Quantized, 
         for module_path, module_rows in zip(paths, np.split(rows, np.cumsum(outs)[:-1])):
             heads = permuted_heads.get(module_path.split(".", 2)[-1])  # "layers.3.attn.q" -> "attn.q"
             if heads is not None:
-                module_rows = unpermute_llama_qk(module_rows, heads)
-            quantized.add(module_path, modules[module_path], method, np.ascontiguousarray(module_rows), None)
+                unpermuted = huge_page_array(module_rows.shape, module_rows.dtype)
+                unpermuted[...] = unpermute_llama_qk(module_rows, heads)
+                module_rows = unpermuted
+            quantized.add(module_path, modules[module_path], method, module_rows, None)
     if left_in_float:
         # One line for the whole file: a Q2_K or IQ* file would otherwise log every matrix.
         quantized.report.dequantized_types = set(left_in_float) - {"missing", *FLOAT_TYPES}

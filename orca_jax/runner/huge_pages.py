@@ -22,11 +22,14 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
+import math
+import mmap
 import os
 import sys
 from typing import Iterable
 
 import jax
+import numpy as np
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # <linux/mman.h>
@@ -105,3 +108,20 @@ def collapse(buffers: list[tuple[int, int]]) -> Collapsed:
             code = ctypes.get_errno()
             done.reason = f"madvise: {errno.errorcode.get(code, code)} ({os.strerror(code)})"
     return done
+
+
+def huge_page_array(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised array in memory of its own, 2 MB-aligned and marked for 2 MB pages before
+    anything touches it: writing it faults in huge pages directly, so it needs no collapse (a copy)
+    afterwards. What is read into it and handed to a CPU device without a copy (jnp.from_dlpack)
+    is in 2 MB pages from the start. Elsewhere than Linux, a plain numpy array."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if not sys.platform.startswith("linux") or nbytes == 0:
+        return np.empty(shape, dtype)
+    # An anonymous mapping is page-aligned, not always 2 MB-aligned: one huge page more leaves room to align it.
+    region = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE,
+                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(MADV_HUGEPAGE)
+    whole = np.frombuffer(region, np.uint8)  # keeps the mapping alive as long as any view of it
+    offset = -whole.ctypes.data % HUGE_PAGE
+    return whole[offset:offset + nbytes].view(dtype).reshape(shape)
