@@ -71,10 +71,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=RESULTS / "offline_policies_new.json")
     args = parser.parse_args(argv)
 
-    from orca_jax.tokenizer import Tokenizer
-    from orca_jax.checkpoint.store import resolve_checkpoint_dir
+    from orca_jax.runner.builder import model_tokenizer
 
-    tokenizer = Tokenizer.load(resolve_checkpoint_dir(args.model))
+    tokenizer = model_tokenizer(args.model)
     results = {"machine": machine.describe(), "model": args.model, "jax": jax.__version__, "backend": jax.default_backend(),
                "max_num_seqs": args.max_num_seqs, "num_requests": args.num_requests, "workloads": {}}
     for kind in args.workloads:

@@ -215,15 +215,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from orca_jax.checkpoint.convert import ensure_pulled
-    from orca_jax.checkpoint.store import resolve_checkpoint_dir
-    from orca_jax.tokenizer import Tokenizer
+    from orca_jax.runner.builder import model_tokenizer
     from orca_jax.tuning.loadgen import free_port, wait_ready
 
     if args.workload_file:
         workload = load_jsonl(args.workload_file)
     else:
         ensure_pulled(args.model, log=print)
-        tokenizer = Tokenizer.load(resolve_checkpoint_dir(args.model))
+        tokenizer = model_tokenizer(args.model)
         workload = build_workload(tokenizer, named_spec(args.workload, args.num_requests))
     results = {"machine": machine.describe(), "model": args.model, "workload": str(args.workload_file or args.workload),
                "num_requests": len(workload), "latency_target_s_per_token": args.latency_target,

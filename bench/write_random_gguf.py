@@ -19,6 +19,20 @@ from orca_jax.config import load_model_preset
 BLOCK = {"Q4_0": (32, 18), "Q8_0": (32, 34)}  # weights and bytes per block; the scale d is the first 2 bytes
 
 
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's byte-level BPE spelling of the 256 bytes (printable ones as themselves, the others
+    shifted past 255), the alphabet llama.cpp's byte-level vocabularies are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted, spelled = 0, {}
+    for byte in range(256):
+        if byte in printable:
+            spelled[byte] = chr(byte)
+        else:
+            spelled[byte] = chr(256 + shifted)
+            shifted += 1
+    return [spelled[b] for b in range(256)]
+
+
 def random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str) -> np.ndarray:
     weights, nbytes = BLOCK[qtype]
     blocks = rng.integers(0, 256, (rows, cols // weights, nbytes), np.uint8)
@@ -47,14 +61,19 @@ def main() -> None:
     writer.add_head_count_kv(c.n_kv_heads)
     writer.add_rope_freq_base(c.rope_theta)
     writer.add_layer_norm_rms_eps(c.norm_eps)
-    # A byte-level vocabulary of the model's size: the 256 byte tokens, then placeholders
-    byte_tokens = [chr(b) if chr(b).isprintable() and b < 128 and chr(b) != " " else f"<0x{b:02X}>" for b in range(256)]
-    tokens = byte_tokens + [f"tok{i}" for i in range(256, c.vocab_size)]
+    # A byte-level BPE vocabulary of the model's size that llama.cpp loads too: the 256 byte tokens
+    # (GPT-2's byte-to-character table), a token and a merge for each pair of lowercase letters, then
+    # placeholders
+    tokens = byte_level_alphabet()
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    merges = [f"{a} {b}" for a in letters for b in letters]
+    tokens += [a + b for a in letters for b in letters]
+    tokens += [f"<tok{i}>" for i in range(len(tokens), c.vocab_size)]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("llama-bpe")
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.NORMAL] * c.vocab_size)
-    writer.add_token_merges([])
+    writer.add_token_merges(merges)
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim

@@ -254,14 +254,27 @@ def stored_weights(path: Path) -> CheckpointWeights | GGUFWeights:
     return open_gguf_file(path) if is_gguf_file(path) else CheckpointWeights(path)
 
 
-def borrowed_tokenizer(name_or_path: str, model: ModelConfig) -> Tokenizer:
-    """`--tokenizer`: the tokenizer of another checkpoint (name or directory); its ids must all be
-    ids of `model`'s vocabulary."""
+def model_tokenizer(name_or_path: str) -> Tokenizer:
+    """The tokenizer of a model: a GGUF file's, or a checkpoint's (name or directory) tokenizer.json."""
+    if is_gguf_file(name_or_path):
+        tokenizer = open_gguf_file(name_or_path).imported.tokenizer
+        if tokenizer is None:
+            raise ConfigError(f"{name_or_path} has no vocabulary (tokenizer.ggml.tokens)")
+        return tokenizer
     directory = resolve_checkpoint_dir(name_or_path)
     if not (directory / "tokenizer.json").is_file():
-        raise ConfigError(f"tokenizer={name_or_path!r}: {directory} has no tokenizer.json; give a checkpoint name or "
-                          "directory that has one (e.g. smollm2-135m-instruct after `orca-jax pull`)")
-    tokenizer = Tokenizer.load(directory)
+        raise ConfigError(f"{directory} has no tokenizer.json; give a checkpoint name or directory that has one "
+                          "(e.g. smollm2-135m-instruct after `orca-jax pull`), or a .gguf file")
+    return Tokenizer.load(directory)
+
+
+def borrowed_tokenizer(name_or_path: str, model: ModelConfig) -> Tokenizer:
+    """`--tokenizer`: the tokenizer of another model (a checkpoint's name or directory, or a .gguf
+    file); its ids must all be ids of `model`'s vocabulary."""
+    try:
+        tokenizer = model_tokenizer(name_or_path)
+    except ConfigError as error:
+        raise ConfigError(f"tokenizer={name_or_path!r}: {error}") from None
     if tokenizer.vocab_size > model.vocab_size:
         raise ConfigError(f"tokenizer={name_or_path!r} has {tokenizer.vocab_size} tokens but {model.name} has a vocabulary "
                           f"of {model.vocab_size}: its ids would fall outside the model's; borrow a tokenizer of at "
