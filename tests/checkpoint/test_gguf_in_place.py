@@ -7,7 +7,6 @@ served in place with float32 activations (the blocks dequantized exactly in regi
 same file's float32 model's logits up to summation order: a row in the wrong matrix, a q/k
 permutation not undone or a fused tensor split at the wrong row would be far off."""
 
-import dataclasses
 
 import gguf
 import jax
@@ -23,7 +22,7 @@ from orca_jax.model.decoder import abstract_decoder, init_decoder
 from orca_jax.model.quantization import quantize_decoder
 from orca_jax.sampling_params import SamplingParams
 
-from ..checkpoint.test_hf_families import FIXTURES, reference, write_gguf_like_llama_cpp
+from ..checkpoint.test_hf_families import reference, write_gguf_like_llama_cpp
 from ..checkpoint.test_store import params_of
 from ..model.test_kquant_serving import kquant_config, write_typed_gguf
 

@@ -133,7 +133,7 @@ def test_bad_quantization_settings_are_refused():
     with pytest.raises(ConfigError, match="use tensor_parallel_size=1"):
         EngineConfig(quantization="int8", parallel=ParallelConfig(tensor_parallel_size=3))
     # auto is gguf for a .gguf file: its blocks are not split over devices either; a checkpoint's is none
-    with pytest.raises(ConfigError, match="quantization='gguf' keeps whole quantized matrices"):
+    with pytest.raises(ConfigError, match=r"quantization='gguf' \(auto's choice for a .gguf file\) keeps whole"):
         EngineConfig(model="/models/m.gguf", parallel=ParallelConfig(tensor_parallel_size=2))
     assert EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2)).effective_quantization == "none"
     assert EngineConfig(model="/models/m.gguf", quantization="none").effective_quantization == "none"
