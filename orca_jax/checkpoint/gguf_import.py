@@ -78,6 +78,7 @@ def open_gguf(path: str | Path, name: str, reader: GGUFReader | None = None) -> 
         return value
 
     tokens = _field(reader, "tokenizer.ggml.tokens")
+    end_ids = end_of_generation_ids(reader)  # once: the config and the tokenizer both take them
     n_heads = int(meta("attention.head_count"))
     d_model = int(meta("embedding_length"))
     head_dim = d_model // n_heads
@@ -102,7 +103,7 @@ def open_gguf(path: str | Path, name: str, reader: GGUFReader | None = None) -> 
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        extra_eos_token_ids=end_of_generation_ids(reader),
+        extra_eos_token_ids=end_ids,
         dtype=_weights_dtype(reader),
         **_family_switches(reader, arch, n_heads, d_model),
     )
@@ -124,7 +125,7 @@ def open_gguf(path: str | Path, name: str, reader: GGUFReader | None = None) -> 
             split_fused_phi3(tensors, config)
         return tensors
 
-    tokenizer = gguf_tokenizer(reader, path) if tokens is not None else None
+    tokenizer = gguf_tokenizer(reader, path, end_ids) if tokens is not None else None
     return ImportedModel(config, tokenizer, read_part)
 
 
@@ -241,8 +242,9 @@ def _weights_dtype(reader: gguf.GGUFReader) -> str:
     return KEPT_TYPES.get(matrix_types.pop(), "float32") if len(matrix_types) == 1 else "float32"
 
 
-def gguf_tokenizer(reader: gguf.GGUFReader, path: str | Path) -> Tokenizer:
-    """The tokenizer the file's `tokenizer.*` metadata describes (the file must have a vocabulary)."""
+def gguf_tokenizer(reader: gguf.GGUFReader, path: str | Path, end_ids: tuple[int, ...] | None = None) -> Tokenizer:
+    """The tokenizer the file's `tokenizer.*` metadata describes (the file must have a vocabulary);
+    `end_ids`: its end_of_generation_ids, when already found."""
     kind = _field(reader, "tokenizer.ggml.model")
     if kind == "gpt2":
         hf = _byte_level_tokenizer(reader, path)
@@ -257,7 +259,7 @@ def gguf_tokenizer(reader: gguf.GGUFReader, path: str | Path) -> Tokenizer:
         hf,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        extra_eos_token_ids=end_of_generation_ids(reader),
+        extra_eos_token_ids=end_of_generation_ids(reader) if end_ids is None else end_ids,
         # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise (so does transformers)
         add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", kind == "llama")),
         add_eos_token=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),

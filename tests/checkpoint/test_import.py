@@ -69,9 +69,8 @@ def llama_tensors(config, p, permute_qk):
     return out
 
 
-def write_gguf_llama(path, config, model, *, matrix_dtype=np.float32, rope_freqs=None, rope_scaling_type=None):
-    """A llama GGUF as llama.cpp's converter writes one: Q/K rows permuted, norms in F32, Llama 3.x's
-    rope scaling as a `rope_freqs` tensor, other kinds as `llama.rope.scaling.type`."""
+def llama_gguf_writer(path, config) -> gguf.GGUFWriter:
+    """A GGUFWriter of a llama file with `config`'s shape keys written (the tokenizer and tensors are the caller's)."""
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(config.n_layers)
     writer.add_context_length(config.max_position)
@@ -81,6 +80,13 @@ def write_gguf_llama(path, config, model, *, matrix_dtype=np.float32, rope_freqs
     writer.add_head_count_kv(config.n_kv_heads)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.norm_eps)
+    return writer
+
+
+def write_gguf_llama(path, config, model, *, matrix_dtype=np.float32, rope_freqs=None, rope_scaling_type=None):
+    """A llama GGUF as llama.cpp's converter writes one: Q/K rows permuted, norms in F32, Llama 3.x's
+    rope scaling as a `rope_freqs` tensor, other kinds as `llama.rope.scaling.type`."""
+    writer = llama_gguf_writer(path, config)
     if rope_scaling_type is not None:
         writer.add_rope_scaling_type(rope_scaling_type)
         writer.add_rope_scaling_factor(4.0)

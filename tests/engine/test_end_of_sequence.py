@@ -21,7 +21,7 @@ from orca_jax.checkpoint.store import load_model
 from orca_jax.checkpoint.train_tiny import BOS, EOS
 from orca_jax.sampling_params import SamplingParams
 
-from tests.checkpoint.test_import import llama_tensors, write_hf_llama_folder
+from tests.checkpoint.test_import import llama_gguf_writer, llama_tensors, write_hf_llama_folder
 from tests.checkpoint.test_store import params_of
 
 from .conftest import TINY_LIMITS, make_engine, run_all
@@ -49,15 +49,7 @@ def write_tiny_gguf(path, tiny_trained, tokens=None, **token_ids):
     `token_ids` more tokenizer.ggml.*_token_id keys (eot=9: tokenizer.ggml.eot_token_id = 9)."""
     config = tiny_trained.config
     tokens = tokens or [str(i) for i in range(BOS)] + ["<s>", "</s>"]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(config.n_layers)
-    writer.add_context_length(config.max_position)
-    writer.add_embedding_length(config.d_model)
-    writer.add_feed_forward_length(config.d_ff)
-    writer.add_head_count(config.n_heads)
-    writer.add_head_count_kv(config.n_kv_heads)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_layer_norm_rms_eps(config.norm_eps)
+    writer = llama_gguf_writer(path, config)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)

@@ -24,7 +24,7 @@ from orca_jax.model.decoder import init_decoder
 from orca_jax.model.quantization import quantize_decoder
 from orca_jax.parallel.memory_plan import plan_memory
 
-from ..checkpoint.test_import import MERGES, TOKENS, llama_tensors
+from ..checkpoint.test_import import MERGES, TOKENS, llama_gguf_writer, llama_tensors
 from ..checkpoint.test_store import params_of
 from ..kquants import QUANTIZERS, quantize_k
 
@@ -68,15 +68,7 @@ def blocks_of(array: np.ndarray, qtype: T) -> np.ndarray:
 def write_typed_gguf(path, config, model, type_of=tensor_type):
     """A llama GGUF (Q/K rows permuted as llama.cpp's converter writes them) whose tensors take the
     block type `type_of(name)`."""
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(config.n_layers)
-    writer.add_context_length(config.max_position)
-    writer.add_embedding_length(config.d_model)
-    writer.add_feed_forward_length(config.d_ff)
-    writer.add_head_count(config.n_heads)
-    writer.add_head_count_kv(config.n_kv_heads)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_layer_norm_rms_eps(config.norm_eps)
+    writer = llama_gguf_writer(path, config)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(TOKENS)
